@@ -1,0 +1,26 @@
+"""Where compiled artifacts and measurements live on disk (JITLLM_CACHE_DIR, default ~/.cache/jitllm)."""
+import hashlib
+import os
+from pathlib import Path
+
+
+def cache_dir(*sub) -> Path:
+    root = Path(os.environ.get("JITLLM_CACHE_DIR") or Path.home() / ".cache" / "jitllm")
+    d = root.joinpath(*sub)
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def digest(*parts) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p if isinstance(p, bytes) else str(p).encode())
+        h.update(b"\0")
+    return h.hexdigest()[:32]
+
+
+def write_atomic(path: Path, data: bytes):
+    """Write via a temporary file so a concurrent reader never sees half an artifact."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)

@@ -1,0 +1,501 @@
+"""The kernel IR: one small language that every backend lowers.
+
+A Kernel has buffer parameters (storage dtype, read/write), i32 scalar parameters and a body.
+
+Types. Buffers have a *storage* dtype (f32, f16, bf16, u8, i8, i32). Expressions have a *compute* dtype:
+f32, i32 or bool. A Load converts storage -> compute (f16/bf16 -> f32, u8/i8 -> i32) and a Store converts
+compute -> storage (f32 -> f16 rounds to nearest even). Backends therefore never need half arithmetic.
+Indices are flat element indices (i32).
+
+Structure. The top-level statements of a kernel run in order. A top-level `Loop(kind="parallel")` spreads its
+iterations over threads / workgroups; iterations must be independent. A top-level `Barrier()` waits until every
+statement before it is complete everywhere; without one, two top-level parallel loops are not ordered. Other
+top-level statements run once. Inside a parallel iteration:
+  - `Loop(kind="serial"|"unroll")`: in order.
+  - `Loop(kind="vector")`: iterations independent (no loop-carried state; each writes its own elements), so a
+    backend may run them as SIMD lanes or split them over the threads cooperating on the iteration.
+  - `Reduce(op, var, extent, value, kind)`: an expression; kind "reduce" may be split across lanes/threads,
+    "vector" may use SIMD, "serial"/"unroll" run in order. Float addition order is the backend's choice.
+  - `Barrier()` inside an iteration: the threads cooperating on that iteration see each other's stores.
+  - `Let` binds an immutable local; `Local` / `Assign` give a mutable one (lowered to registers).
+Model dimensions are baked into kernels as constants; per-step values (pos, n_tokens) are scalars.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+STORAGE_DTYPES = {"f32": 4, "f16": 2, "bf16": 2, "u8": 1, "i8": 1, "i32": 4}
+COMPUTE_OF = {"f32": "f32", "f16": "f32", "bf16": "f32", "u8": "i32", "i8": "i32", "i32": "i32"}
+LOOP_KINDS = ("serial", "parallel", "vector", "unroll")
+REDUCE_KINDS = ("reduce", "vector", "serial", "unroll")
+REDUCE_OPS = ("add", "max", "min")
+ARITH = ("add", "sub", "mul", "div", "mod", "min", "max")
+BITWISE = ("and", "or", "xor", "shl", "shr")
+COMPARE = ("lt", "le", "gt", "ge", "eq", "ne")
+LOGIC = ("land", "lor")
+UNARY = {  # name -> (argument dtype or None for "same", result dtype or None for "same")
+    "neg": (None, None), "abs": (None, None),
+    "exp": ("f32", "f32"), "log": ("f32", "f32"), "sqrt": ("f32", "f32"), "rsqrt": ("f32", "f32"),
+    "sin": ("f32", "f32"), "cos": ("f32", "f32"), "floor": ("f32", "f32"), "tanh": ("f32", "f32"),
+    "f16bits": ("i32", "f32"),   # low 16 bits of an i32 read as an IEEE half
+    "bf16bits": ("i32", "f32"),  # low 16 bits of an i32 read as a bfloat16
+    "not": ("bool", "bool"),
+}
+
+
+class IRError(Exception):
+    """A kernel is malformed (type error, unknown name, misplaced construct)."""
+
+
+# ----------------------------------------------------------------------------------------------- expressions
+class Expr:
+    dtype: str
+
+    def _bin(self, op, other, swap=False):
+        other = as_expr(other, self.dtype)
+        return Bin(op, other, self) if swap else Bin(op, self, other)
+
+    __add__ = lambda s, o: s._bin("add", o)
+    __radd__ = lambda s, o: s._bin("add", o, True)
+    __sub__ = lambda s, o: s._bin("sub", o)
+    __rsub__ = lambda s, o: s._bin("sub", o, True)
+    __mul__ = lambda s, o: s._bin("mul", o)
+    __rmul__ = lambda s, o: s._bin("mul", o, True)
+    __truediv__ = lambda s, o: s._bin("div", o)
+    __rtruediv__ = lambda s, o: s._bin("div", o, True)
+    __floordiv__ = lambda s, o: s._bin("div", o)
+    __mod__ = lambda s, o: s._bin("mod", o)
+    __and__ = lambda s, o: s._bin("and", o)
+    __or__ = lambda s, o: s._bin("or", o)
+    __xor__ = lambda s, o: s._bin("xor", o)
+    __lshift__ = lambda s, o: s._bin("shl", o)
+    __rshift__ = lambda s, o: s._bin("shr", o)
+    __lt__ = lambda s, o: s._bin("lt", o)
+    __le__ = lambda s, o: s._bin("le", o)
+    __gt__ = lambda s, o: s._bin("gt", o)
+    __ge__ = lambda s, o: s._bin("ge", o)
+    __eq__ = lambda s, o: s._bin("eq", o)   # builds an expression; IR nodes are compared by identity
+    __ne__ = lambda s, o: s._bin("ne", o)
+    __neg__ = lambda s: Un("neg", s)
+    __hash__ = object.__hash__
+
+
+@dataclass(frozen=True, eq=False)
+class Const(Expr):
+    value: float | int | bool
+    dtype: str = "i32"
+
+
+@dataclass(frozen=True, eq=False)
+class Var(Expr):
+    """A loop variable, scalar parameter, Let or Local, by name."""
+    name: str
+    dtype: str = "i32"
+
+
+@dataclass(frozen=True, eq=False)
+class Load(Expr):
+    buf: str
+    index: Expr
+    dtype: str = "f32"  # compute dtype, filled in by Kernel.load
+
+
+@dataclass(frozen=True, eq=False)
+class Bin(Expr):
+    op: str
+    a: Expr
+    b: Expr
+
+    @property
+    def dtype(self):
+        return "bool" if self.op in COMPARE or self.op in LOGIC else self.a.dtype
+
+
+@dataclass(frozen=True, eq=False)
+class Un(Expr):
+    op: str
+    a: Expr
+
+    @property
+    def dtype(self):
+        res = UNARY[self.op][1]
+        return res or self.a.dtype
+
+
+@dataclass(frozen=True, eq=False)
+class Cast(Expr):
+    """f32 <-> i32 (f32 -> i32 truncates toward zero); bool -> i32/f32 gives 0/1."""
+    dtype: str
+    a: Expr
+
+
+@dataclass(frozen=True, eq=False)
+class Select(Expr):
+    cond: Expr
+    a: Expr
+    b: Expr
+
+    @property
+    def dtype(self):
+        return self.a.dtype
+
+
+@dataclass(frozen=True, eq=False)
+class Reduce(Expr):
+    op: str
+    var: str
+    extent: Expr
+    value: Expr
+    kind: str = "serial"
+
+    @property
+    def dtype(self):
+        return self.value.dtype
+
+
+def as_expr(x, dtype=None) -> Expr:
+    """Wrap a Python number; an int becomes `dtype` (i32 when None), a float always f32."""
+    if isinstance(x, Expr):
+        return x
+    if isinstance(x, bool):
+        return Const(x, "bool")
+    if isinstance(x, float) or dtype == "f32":
+        return Const(float(x), "f32")
+    return Const(int(x), "i32")
+
+
+def f32(x) -> Expr:
+    return Cast("f32", x) if isinstance(x, Expr) and x.dtype != "f32" else as_expr(float(x) if not isinstance(x, Expr) else x, "f32")
+
+
+def i32(x) -> Expr:
+    return Cast("i32", x) if isinstance(x, Expr) and x.dtype != "i32" else as_expr(x, "i32")
+
+
+def select(c, a, b) -> Expr:
+    a = as_expr(a, b.dtype if isinstance(b, Expr) else "i32")
+    return Select(c, a, as_expr(b, a.dtype))
+
+
+def vmin(a, b):
+    return as_expr(a)._bin("min", b) if isinstance(a, Expr) else as_expr(b)._bin("min", a)
+
+
+def vmax(a, b):
+    return as_expr(a)._bin("max", b) if isinstance(a, Expr) else as_expr(b)._bin("max", a)
+
+
+def exp(a): return Un("exp", f32(a))
+def sqrt(a): return Un("sqrt", f32(a))
+def rsqrt(a): return Un("rsqrt", f32(a))
+def sin(a): return Un("sin", f32(a))
+def cos(a): return Un("cos", f32(a))
+def log(a): return Un("log", f32(a))
+def f16bits(a): return Un("f16bits", a)
+def bf16bits(a): return Un("bf16bits", a)
+
+
+def reduce(op, var, extent, fn, kind="serial") -> Reduce:
+    """reduce("add", "i", n, lambda i: x[i] * y[i]) -> Reduce expression."""
+    v = Var(var)
+    return Reduce(op, var, as_expr(extent), as_expr(fn(v), "f32"), kind)
+
+
+# ----------------------------------------------------------------------------------------------- statements
+class Stmt:
+    pass
+
+
+@dataclass(eq=False)
+class Store(Stmt):
+    buf: str
+    index: Expr
+    value: Expr
+
+
+@dataclass(eq=False)
+class AtomicAdd(Stmt):
+    buf: str
+    index: Expr
+    value: Expr
+
+
+@dataclass(eq=False)
+class Let(Stmt):
+    name: str
+    value: Expr
+
+
+@dataclass(eq=False)
+class Local(Stmt):
+    name: str
+    init: Expr
+
+
+@dataclass(eq=False)
+class Assign(Stmt):
+    name: str
+    value: Expr
+
+
+@dataclass(eq=False)
+class Loop(Stmt):
+    var: str
+    extent: Expr
+    kind: str
+    body: list
+    start: Expr = field(default_factory=lambda: Const(0))
+
+
+@dataclass(eq=False)
+class If(Stmt):
+    cond: Expr
+    then: list
+    orelse: list = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Barrier(Stmt):
+    pass
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+@dataclass(frozen=True)
+class BufferParam:
+    name: str
+    dtype: str      # storage dtype
+    size: int       # elements
+    write: bool = False
+
+
+class Kernel:
+    """A kernel under construction; builders use `with k.parallel(...)` etc. and `k.store(...)`."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.buffers: dict[str, BufferParam] = {}
+        self.scalars: list[str] = []
+        self.body: list[Stmt] = []
+        self._stack = [self.body]
+        self._hash = None
+
+    # -- parameters
+    def buffer(self, name, dtype, size, write=False) -> str:
+        if dtype not in STORAGE_DTYPES:
+            raise IRError(f"{self.name}: unknown storage dtype {dtype!r} for buffer {name!r}")
+        self.buffers[name] = BufferParam(name, dtype, int(size), write)
+        return name
+
+    def scalar(self, name) -> Var:
+        self.scalars.append(name)
+        return Var(name, "i32")
+
+    # -- expressions
+    def load(self, buf, index) -> Load:
+        return Load(buf, i32(index), COMPUTE_OF[self.buffers[buf].dtype])
+
+    # -- statements
+    def emit(self, stmt):
+        self._stack[-1].append(stmt)
+        return stmt
+
+    def store(self, buf, index, value):
+        dt = COMPUTE_OF[self.buffers[buf].dtype]
+        self.emit(Store(buf, i32(index), as_expr(value, dt)))
+
+    def atomic_add(self, buf, index, value):
+        dt = COMPUTE_OF[self.buffers[buf].dtype]
+        self.emit(AtomicAdd(buf, i32(index), as_expr(value, dt)))
+
+    def let(self, name, value) -> Var:
+        value = as_expr(value)
+        self.emit(Let(name, value))
+        return Var(name, value.dtype)
+
+    def local(self, name, init) -> Var:
+        init = as_expr(init)
+        self.emit(Local(name, init))
+        return Var(name, init.dtype)
+
+    def assign(self, var: Var, value):
+        self.emit(Assign(var.name, as_expr(value, var.dtype)))
+
+    def barrier(self):
+        self.emit(Barrier())
+
+    def loop(self, var, extent, kind="serial", start=0):
+        return _Block(self, Loop(var, i32(as_expr(extent)), kind, [], i32(as_expr(start))), var)
+
+    def parallel(self, var, extent):
+        return self.loop(var, extent, "parallel")
+
+    def if_(self, cond):
+        return _Block(self, If(cond, []), None)
+
+    def finish(self) -> "Kernel":
+        check(self)
+        return self
+
+    # -- identity
+    def key(self) -> str:
+        """Stable hash of the kernel's full definition (cache key for compiled code)."""
+        if self._hash is None:
+            self._hash = hashlib.sha256(dump(self).encode()).hexdigest()[:24]
+        return self._hash
+
+
+class _Block:
+    def __init__(self, k, stmt, var):
+        self.k, self.stmt, self.var = k, stmt, var
+
+    def __enter__(self):
+        self.k.emit(self.stmt)
+        self.k._stack.append(self.stmt.body if isinstance(self.stmt, Loop) else self.stmt.then)
+        return Var(self.var) if self.var else None
+
+    def __exit__(self, *exc):
+        self.k._stack.pop()
+
+
+# ----------------------------------------------------------------------------------------------- checking
+def check(k: Kernel):
+    """Type-check a kernel and enforce the placement rules above; raises IRError."""
+    env = {s: "i32" for s in k.scalars}
+
+    def ex(e, env):
+        if isinstance(e, Const):
+            return e.dtype
+        if isinstance(e, Var):
+            if e.name not in env:
+                raise IRError(f"{k.name}: unknown name {e.name!r}")
+            return env[e.name]
+        if isinstance(e, Load):
+            if e.buf not in k.buffers:
+                raise IRError(f"{k.name}: unknown buffer {e.buf!r}")
+            _want(ex(e.index, env), "i32", "load index")
+            return e.dtype
+        if isinstance(e, Bin):
+            a, b = ex(e.a, env), ex(e.b, env)
+            if a != b:
+                raise IRError(f"{k.name}: {e.op} of {a} and {b}")
+            if e.op in BITWISE and a != "i32":
+                raise IRError(f"{k.name}: bitwise {e.op} on {a}")
+            if e.op in LOGIC and a != "bool":
+                raise IRError(f"{k.name}: {e.op} on {a}")
+            if e.op not in ARITH + BITWISE + COMPARE + LOGIC:
+                raise IRError(f"{k.name}: unknown op {e.op}")
+            return e.dtype
+        if isinstance(e, Un):
+            if e.op not in UNARY:
+                raise IRError(f"{k.name}: unknown unary {e.op}")
+            a = ex(e.a, env)
+            want = UNARY[e.op][0]
+            if want:
+                _want(a, want, e.op)
+            return e.dtype
+        if isinstance(e, Cast):
+            ex(e.a, env)
+            return e.dtype
+        if isinstance(e, Select):
+            _want(ex(e.cond, env), "bool", "select condition")
+            a, b = ex(e.a, env), ex(e.b, env)
+            if a != b:
+                raise IRError(f"{k.name}: select of {a} and {b}")
+            return a
+        if isinstance(e, Reduce):
+            if e.op not in REDUCE_OPS or e.kind not in REDUCE_KINDS:
+                raise IRError(f"{k.name}: bad reduce {e.op}/{e.kind}")
+            _want(ex(e.extent, env), "i32", "reduce extent")
+            return ex(e.value, {**env, e.var: "i32"})
+        raise IRError(f"{k.name}: not an expression: {e!r}")
+
+    def _want(got, want, what):
+        if got != want:
+            raise IRError(f"{k.name}: {what} must be {want}, got {got}")
+
+    def st(body, env, depth):
+        for s in body:
+            if isinstance(s, (Store, AtomicAdd)):
+                if s.buf not in k.buffers:
+                    raise IRError(f"{k.name}: unknown buffer {s.buf!r}")
+                if not k.buffers[s.buf].write:
+                    raise IRError(f"{k.name}: store to read-only buffer {s.buf!r}")
+                _want(ex(s.index, env), "i32", "store index")
+                _want(ex(s.value, env), COMPUTE_OF[k.buffers[s.buf].dtype], f"value stored to {s.buf}")
+            elif isinstance(s, (Let, Local)):
+                env[s.name] = ex(s.value if isinstance(s, Let) else s.init, env)
+            elif isinstance(s, Assign):
+                if s.name not in env:
+                    raise IRError(f"{k.name}: assign to unknown {s.name!r}")
+                _want(ex(s.value, env), env[s.name], f"assign to {s.name}")
+            elif isinstance(s, Loop):
+                if s.kind not in LOOP_KINDS:
+                    raise IRError(f"{k.name}: unknown loop kind {s.kind!r}")
+                if s.kind == "parallel" and depth > 0:
+                    raise IRError(f"{k.name}: parallel loop {s.var!r} must be at the kernel's top level")
+                _want(ex(s.extent, env), "i32", "loop extent")
+                st(s.body, {**env, s.var: "i32"}, depth + 1)
+            elif isinstance(s, If):
+                _want(ex(s.cond, env), "bool", "if condition")
+                st(s.then, dict(env), depth + 1)
+                st(s.orelse, dict(env), depth + 1)
+            elif not isinstance(s, Barrier):
+                raise IRError(f"{k.name}: not a statement: {s!r}")
+
+    st(k.body, env, 0)
+
+
+# ----------------------------------------------------------------------------------------------- printing
+def dump(k: Kernel) -> str:
+    """A readable, deterministic text form (also the hash input)."""
+    out = [f"kernel {k.name}("]
+    out += [f"  {b.name}: {b.dtype}[{b.size}]{' rw' if b.write else ''}" for b in k.buffers.values()]
+    out += [f"  {s}: i32" for s in k.scalars] + [")"]
+
+    def ex(e):
+        if isinstance(e, Const):
+            return f"{e.value!r}:{e.dtype}"
+        if isinstance(e, Var):
+            return e.name
+        if isinstance(e, Load):
+            return f"{e.buf}[{ex(e.index)}]"
+        if isinstance(e, Bin):
+            return f"({ex(e.a)} {e.op} {ex(e.b)})"
+        if isinstance(e, Un):
+            return f"{e.op}({ex(e.a)})"
+        if isinstance(e, Cast):
+            return f"{e.dtype}({ex(e.a)})"
+        if isinstance(e, Select):
+            return f"({ex(e.cond)} ? {ex(e.a)} : {ex(e.b)})"
+        if isinstance(e, Reduce):
+            return f"{e.op}.{e.kind}({e.var} < {ex(e.extent)}: {ex(e.value)})"
+        raise IRError(repr(e))
+
+    def st(body, ind):
+        for s in body:
+            p = "  " * ind
+            if isinstance(s, Store):
+                out.append(f"{p}{s.buf}[{ex(s.index)}] = {ex(s.value)}")
+            elif isinstance(s, AtomicAdd):
+                out.append(f"{p}{s.buf}[{ex(s.index)}] atomic+= {ex(s.value)}")
+            elif isinstance(s, Let):
+                out.append(f"{p}let {s.name} = {ex(s.value)}")
+            elif isinstance(s, Local):
+                out.append(f"{p}var {s.name} = {ex(s.init)}")
+            elif isinstance(s, Assign):
+                out.append(f"{p}{s.name} := {ex(s.value)}")
+            elif isinstance(s, Loop):
+                out.append(f"{p}for.{s.kind} {s.var} in [{ex(s.start)}, +{ex(s.extent)}):")
+                st(s.body, ind + 1)
+            elif isinstance(s, If):
+                out.append(f"{p}if {ex(s.cond)}:")
+                st(s.then, ind + 1)
+                if s.orelse:
+                    out.append(f"{p}else:")
+                    st(s.orelse, ind + 1)
+            elif isinstance(s, Barrier):
+                out.append(f"{p}barrier")
+
+    st(k.body, 1)
+    return "\n".join(out)

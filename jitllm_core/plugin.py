@@ -1,0 +1,157 @@
+"""The backend plugin contract: what a plugin registers, and the base classes it fills in.
+
+A plugin is a module (or object) registered in the entry-point group ``jitllm.backends``. It implements pluggy
+hooks (project name ``jitllm``):
+
+    @hookimpl
+    def jitllm_backends():        -> list[Backend]
+    @hookimpl
+    def jitllm_transfer_paths():  -> list[TransferPath]     (optional)
+
+A Backend's ``probe()`` returns its Devices or raises ``BackendUnavailable(reason)``. A Device allocates
+Buffers, copies bytes in and out, and turns a list of kernel launches (kernel IR + bound buffers) into a
+Program that runs them all, in order, as one unit per step. That is the whole contract: op semantics live in
+the core's IR, never in a plugin.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pluggy
+
+from . import ir
+from .errors import BackendError
+
+hookspec = pluggy.HookspecMarker("jitllm")
+hookimpl = pluggy.HookimplMarker("jitllm")
+
+
+class BackendUnavailable(BackendError):
+    """Raised by Backend.probe() with the reason the backend has no usable device here."""
+
+
+class Specs:
+    @hookspec
+    def jitllm_backends(self):
+        """Return a list of Backend objects."""
+
+    @hookspec
+    def jitllm_transfer_paths(self):
+        """Return a list of TransferPath objects."""
+
+
+class Backend:
+    name = "?"
+
+    def probe(self) -> list["Device"]:
+        raise NotImplementedError
+
+
+class Buffer:
+    """Device memory. ``host_view()`` returns a writable uint8 NumPy view when the memory is host-visible."""
+
+    def __init__(self, device, nbytes):
+        self.device, self.nbytes = device, nbytes
+
+    def host_view(self):
+        return None
+
+
+@dataclass
+class Launch:
+    """One kernel call in a program: its IR, buffer bindings (param -> Buffer) and scalar bindings
+    (param -> name of a per-step value, default the param's own name)."""
+    kernel: ir.Kernel
+    buffers: dict
+    scalars: dict = field(default_factory=dict)
+
+    def scalar_name(self, param):
+        return self.scalars.get(param, param)
+
+
+class Program:
+    """Compiled launches for one device. ``run(values)`` executes them all in order; values maps scalar
+    names to ints. Returns when the results are visible to ``download``."""
+
+    def run(self, values: dict):
+        raise NotImplementedError
+
+
+@dataclass
+class Caps:
+    memory_bytes: int
+    bandwidth_Bps: float = 0.0     # measured or estimated device-memory read bandwidth
+    subgroup_size: int = 1
+    fp16: bool = False
+    int8: bool = False
+    host_visible: bool = False     # device memory can be mapped by the host
+    max_buffer_bytes: int = 1 << 62
+    extra: dict = field(default_factory=dict)
+
+
+class Device:
+    """A place where units run. Subclasses implement the methods below."""
+    name = "?"         # "cpu", "cpu:1", "vulkan:0", "cuda:0"
+    backend = "?"
+    caps: Caps
+
+    def alloc(self, nbytes: int) -> Buffer:
+        raise NotImplementedError
+
+    def free(self, buf: Buffer):
+        raise NotImplementedError
+
+    def upload(self, buf: Buffer, data: np.ndarray, offset: int = 0):
+        """Copy the bytes of `data` into buf at byte offset."""
+        raise NotImplementedError
+
+    def download(self, buf: Buffer, nbytes: int | None = None, offset: int = 0) -> np.ndarray:
+        """Return a uint8 copy of nbytes at byte offset."""
+        raise NotImplementedError
+
+    def program(self, launches: list[Launch]) -> Program:
+        """Compile (cached) and bind launches into a runnable whole-step program."""
+        raise NotImplementedError
+
+    def synchronize(self):
+        pass
+
+    def describe(self) -> str:
+        return self.name
+
+
+class TransferPath:
+    """Copies bytes between buffers of two devices. mechanism: 'peer' | 'mapped' | 'host-staged'."""
+    mechanism = "host-staged"
+    priority = 0        # lower is cheaper; the registry tries cheaper paths first
+
+    def supports(self, src: Device, dst: Device) -> bool:
+        raise NotImplementedError
+
+    def copy(self, src: Buffer, src_off: int, dst: Buffer, dst_off: int, nbytes: int):
+        raise NotImplementedError
+
+    def cost_s(self, nbytes: int) -> float:
+        return nbytes / 10e9
+
+
+class HostStaged(TransferPath):
+    """The core's generic path: download to host memory, upload to the target, in chunks."""
+    mechanism = "host-staged"
+    priority = 100
+    chunk = 16 << 20
+
+    def supports(self, src, dst):
+        return True
+
+    def copy(self, src, src_off, dst, dst_off, nbytes):
+        for o in range(0, nbytes, self.chunk):
+            n = min(self.chunk, nbytes - o)
+            dst.device.upload(dst, src.device.download(src, n, src_off + o), dst_off + o)
+
+
+def plugin_manager():
+    pm = pluggy.PluginManager("jitllm")
+    pm.add_hookspecs(Specs)
+    return pm

@@ -1,0 +1,561 @@
+"""Lower kernel IR to LLVM IR (llvmlite.ir) for the host CPU.
+
+Each kernel becomes `void k(ptr buf..., i32 scalar..., i32 tid, i32 nth, ptr barrier)`. A top-level parallel
+loop is split into one contiguous chunk per thread; other top-level effects run on thread 0; a top-level
+Barrier calls the native barrier. `vector` loops and reduces become SIMD code with W lanes when their bodies
+allow it (affine indices become contiguous vector loads/stores, others gathers/scatters); a reduce whose value
+is a vector reduce of the same op keeps one vector accumulator across both loops (a quantized dot product then
+does one horizontal sum per row, not per block). A program module adds `step(ptr bufs, ptr scalars, tid, nth,
+barrier)` that calls every launch's kernel in order with a barrier after each.
+"""
+from __future__ import annotations
+
+from llvmlite import ir as L
+
+from jitllm_core import ir
+
+I1, I8, I16, I32, I64 = L.IntType(1), L.IntType(8), L.IntType(16), L.IntType(32), L.IntType(64)
+F32, F16, PTR, VOID = L.FloatType(), L.HalfType(), L.PointerType(), L.VoidType()
+COMPUTE = {"f32": F32, "i32": I32, "bool": I1}
+STORAGE = {"f32": F32, "f16": F16, "bf16": I16, "u8": I8, "i8": I8, "i32": I32}
+FM = ("contract",)  # lets LLVM fuse multiply-add; reductions are reassociated only by this lowering
+UNROLL_MAX = 64
+
+BARRIER_IR = """
+declare i32 @sched_yield()
+define void @jl_barrier(ptr %bar, i32 %nth) noinline {
+entry:
+  %single = icmp sle i32 %nth, 1
+  br i1 %single, label %done, label %go
+go:
+  %genp = getelementptr i32, ptr %bar, i32 16
+  %g = load atomic i32, ptr %genp acquire, align 4
+  %c = atomicrmw add ptr %bar, i32 1 acq_rel
+  %last1 = sub i32 %nth, 1
+  %last = icmp eq i32 %c, %last1
+  br i1 %last, label %release, label %spin
+release:
+  store atomic i32 0, ptr %bar monotonic, align 4
+  %g1 = add i32 %g, 1
+  store atomic i32 %g1, ptr %genp release, align 4
+  br label %done
+spin:
+  %n = phi i32 [0, %go], [%n1, %wait], [0, %yield]
+  %cur = load atomic i32, ptr %genp acquire, align 4
+  %same = icmp eq i32 %cur, %g
+  br i1 %same, label %wait0, label %done
+wait0:
+  %n1 = add i32 %n, 1
+  %big = icmp ugt i32 %n1, 4000
+  br i1 %big, label %yield, label %wait
+wait:
+  br label %spin
+yield:
+  %y = call i32 @sched_yield()
+  br label %spin
+done:
+  ret void
+}
+"""
+
+
+class NotVectorizable(Exception):
+    pass
+
+
+class VVal:
+    """A value inside a W-lane vector body: uniform scalar ('u'), affine base+stride*lane ('lin'), or vector ('v')."""
+    __slots__ = ("kind", "val", "stride")
+
+    def __init__(self, kind, val, stride=0):
+        self.kind, self.val, self.stride = kind, val, stride
+
+
+def _const(dtype, v):
+    return L.Constant(COMPUTE[dtype], v)
+
+
+def _identity(op, dtype):
+    if dtype == "f32":
+        return {"add": 0.0, "max": float("-inf"), "min": float("inf")}[op]
+    return {"add": 0, "max": -2**31, "min": 2**31 - 1}[op]
+
+
+class KernelLowering:
+    def __init__(self, module: L.Module, kernel: ir.Kernel, width: int):
+        self.k, self.W = kernel, width
+        args = [PTR] * len(kernel.buffers) + [I32] * len(kernel.scalars) + [I32, I32, PTR]
+        self.fn = L.Function(module, L.FunctionType(VOID, args), name=f"k_{kernel.name}_{kernel.key()}")
+        self.fn.attributes.add("noinline")
+        # allocas live in their own entry block so that two builders never insert into one block
+        self.alloca_b = L.IRBuilder(self.fn.append_basic_block("entry"))
+        self.start = self.fn.append_basic_block("start")
+        self.b = L.IRBuilder(self.start)
+        a = self.fn.args
+        nb, ns = len(kernel.buffers), len(kernel.scalars)
+        self.ptrs = dict(zip(kernel.buffers, a[:nb]))
+        self.tid, self.nth, self.bar = a[nb + ns], a[nb + ns + 1], a[nb + ns + 2]
+        self.env = {name: a[nb + i] for i, name in enumerate(kernel.scalars)}
+        self.mutable = {}  # Local name -> alloca
+        self.module = module
+
+    # ------------------------------------------------------------------ helpers
+    def alloca(self, ty):
+        return self.alloca_b.alloca(ty)
+
+    def intrinsic(self, name, ty, nargs=1):
+        return self.module.declare_intrinsic(name, [ty], L.FunctionType(ty, [ty] * nargs))
+
+    def loop(self, start, end, body, step=1):
+        """for (i = start; i < end; i += step) body(i)"""
+        b = self.b
+        var = self.alloca(I32)
+        b.store(start, var)
+        cond, blk, done = (self.fn.append_basic_block(n) for n in ("cond", "body", "done"))
+        b.branch(cond)
+        b.position_at_end(cond)
+        i = b.load(var)
+        b.cbranch(b.icmp_signed("<", i, end), blk, done)
+        b.position_at_end(blk)
+        body(i)
+        b.store(b.add(b.load(var), L.Constant(I32, step)), var)
+        b.branch(cond)
+        b.position_at_end(done)
+
+    def if_then(self, cond, then, orelse=None):
+        with self.b.if_else(cond) as (t, e):
+            with t:
+                then()
+            with e:
+                if orelse:
+                    orelse()
+
+    # ------------------------------------------------------------------ kernel
+    def lower(self):
+        zero = L.Constant(I32, 0)
+        for s in self.k.body:
+            if isinstance(s, ir.Loop) and s.kind == "parallel":
+                start, ext = self.expr(s.start), self.expr(s.extent)
+                chunk = self.b.sdiv(self.b.add(ext, self.b.sub(self.nth, L.Constant(I32, 1))), self.nth)
+                lo = self.b.add(start, self.b.mul(self.tid, chunk))
+                hi = self.b.add(lo, chunk)
+                end = self.b.add(start, ext)
+                hi = self.b.select(self.b.icmp_signed("<", hi, end), hi, end)
+                self.loop(lo, hi, lambda i, s=s: self.block(s.body, {s.var: i}))
+            elif isinstance(s, ir.Barrier):
+                self.b.call(self.module.get_global("jl_barrier"), [self.bar, self.nth])
+            elif isinstance(s, (ir.Let, ir.Local, ir.Assign)):
+                self.stmt(s)
+            else:
+                self.if_then(self.b.icmp_signed("==", self.tid, zero), lambda s=s: self.stmt(s))
+        self.b.ret_void()
+        self.alloca_b.branch(self.start)
+        return self.fn
+
+    def block(self, body, bind):
+        saved = dict(self.env)
+        self.env.update(bind)
+        for s in body:
+            self.stmt(s)
+        self.env = saved
+
+    def stmt(self, s):
+        b = self.b
+        if isinstance(s, ir.Store):
+            self.store(s.buf, self.expr(s.index), self.expr(s.value))
+        elif isinstance(s, ir.AtomicAdd):
+            dt = self.k.buffers[s.buf].dtype
+            if dt not in ("f32", "i32"):
+                raise ir.IRError(f"{self.k.name}: atomic add on {dt} buffer {s.buf}")
+            ptr = b.gep(self.ptrs[s.buf], [self.expr(s.index)], source_etype=STORAGE[dt])
+            op = "fadd" if dt == "f32" else "add"
+            b.atomic_rmw(op, ptr, self.expr(s.value), "monotonic")
+        elif isinstance(s, ir.Let):
+            self.env[s.name] = self.expr(s.value)
+        elif isinstance(s, ir.Local):
+            v = self.expr(s.init)
+            self.mutable[s.name] = slot = self.alloca(v.type)
+            b.store(v, slot)
+        elif isinstance(s, ir.Assign):
+            b.store(self.expr(s.value), self.mutable[s.name])
+        elif isinstance(s, ir.Loop):
+            self.loop_stmt(s)
+        elif isinstance(s, ir.If):
+            self.if_then(self.expr(s.cond), lambda: self.block(s.then, {}),
+                         (lambda: self.block(s.orelse, {})) if s.orelse else None)
+        elif isinstance(s, ir.Barrier):
+            pass  # one thread runs a whole parallel iteration: its own stores are already visible
+        else:
+            raise ir.IRError(f"cannot lower {s!r}")
+
+    def loop_stmt(self, s):
+        start, ext = self.expr(s.start), self.expr(s.extent)
+        if s.kind == "unroll" and isinstance(ext, L.Constant) and ext.constant <= UNROLL_MAX:
+            for j in range(ext.constant):
+                self.block(s.body, {s.var: self.b.add(start, L.Constant(I32, j))})
+            return
+        if s.kind == "vector" and self.vectorizable_body(s.body):
+            self.vector_loop(s, start, ext)
+            return
+        self.loop(start, self.b.add(start, ext), lambda i: self.block(s.body, {s.var: i}))
+
+    # ------------------------------------------------------------------ memory
+    def load(self, buf, idx):
+        b, dt = self.b, self.k.buffers[buf].dtype
+        v = b.load(b.gep(self.ptrs[buf], [idx], source_etype=STORAGE[dt]), typ=STORAGE[dt])
+        return self.from_storage(dt, v)
+
+    def from_storage(self, dt, v):
+        b = self.b
+        vec = isinstance(v.type, L.VectorType)
+        ty = lambda t: L.VectorType(t, v.type.count) if vec else t
+        if dt == "f16":
+            return b.fpext(v, ty(F32))
+        if dt == "bf16":
+            return b.bitcast(b.shl(b.zext(v, ty(I32)), self.splat_like(v, I32, 16)), ty(F32))
+        if dt == "u8":
+            return b.zext(v, ty(I32))
+        if dt == "i8":
+            return b.sext(v, ty(I32))
+        return v
+
+    def to_storage(self, dt, v):
+        b = self.b
+        vec = isinstance(v.type, L.VectorType)
+        ty = lambda t: L.VectorType(t, v.type.count) if vec else t
+        if dt == "f16":
+            return b.fptrunc(v, ty(F16))
+        if dt == "bf16":  # round to nearest even
+            bits = b.bitcast(v, ty(I32))
+            odd = b.and_(b.lshr(bits, self.splat_like(v, I32, 16)), self.splat_like(v, I32, 1))
+            r = b.add(b.add(bits, self.splat_like(v, I32, 0x7FFF)), odd)
+            return b.trunc(b.lshr(r, self.splat_like(v, I32, 16)), ty(I16))
+        if dt in ("u8", "i8"):
+            return b.trunc(v, ty(I8))
+        return v
+
+    def splat_like(self, v, t, c):
+        if isinstance(v.type, L.VectorType):
+            return L.Constant(L.VectorType(t, v.type.count), [c] * v.type.count)
+        return L.Constant(t, c)
+
+    def store(self, buf, idx, v):
+        dt = self.k.buffers[buf].dtype
+        self.b.store(self.to_storage(dt, v), self.b.gep(self.ptrs[buf], [idx], source_etype=STORAGE[dt]))
+
+    # ------------------------------------------------------------------ scalar expressions
+    def expr(self, e):
+        b = self.b
+        if isinstance(e, ir.Const):
+            return _const(e.dtype, float(e.value) if e.dtype == "f32" else int(e.value))
+        if isinstance(e, ir.Var):
+            if e.name in self.mutable:
+                return b.load(self.mutable[e.name], typ=COMPUTE[e.dtype])
+            return self.env[e.name]
+        if isinstance(e, ir.Load):
+            return self.load(e.buf, self.expr(e.index))
+        if isinstance(e, ir.Bin):
+            return self.binop(e.op, self.expr(e.a), self.expr(e.b), e.a.dtype)
+        if isinstance(e, ir.Un):
+            return self.unop(e.op, self.expr(e.a), e.a.dtype)
+        if isinstance(e, ir.Cast):
+            return self.cast(self.expr(e.a), e.a.dtype, e.dtype)
+        if isinstance(e, ir.Select):
+            return b.select(self.expr(e.cond), self.expr(e.a), self.expr(e.b))
+        if isinstance(e, ir.Reduce):
+            return self.reduce(e)
+        raise ir.IRError(f"cannot lower {e!r}")
+
+    def binop(self, op, x, y, dt):
+        b = self.b
+        if dt == "f32":
+            if op in ("add", "sub", "mul", "div"):
+                return {"add": b.fadd, "sub": b.fsub, "mul": b.fmul, "div": b.fdiv}[op](x, y, flags=FM)
+            if op == "mod":
+                return b.frem(x, y)
+            if op == "min":
+                return b.select(b.fcmp_ordered("<", y, x), y, x)
+            if op == "max":
+                return b.select(b.fcmp_ordered(">", y, x), y, x)
+            return b.fcmp_ordered({"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}[op], x, y)
+        if op in ("add", "sub", "mul", "and", "or", "xor"):
+            return {"add": b.add, "sub": b.sub, "mul": b.mul, "and": b.and_, "or": b.or_, "xor": b.xor}[op](x, y)
+        if op == "land":
+            return b.and_(x, y)
+        if op == "lor":
+            return b.or_(x, y)
+        if op in ("div", "mod"):
+            if not (isinstance(y, L.Constant) and y.constant not in (0, -1)):
+                safe = b.or_(b.icmp_signed("==", y, self.splat_like(y, I32, 0)),
+                             b.icmp_signed("==", y, self.splat_like(y, I32, -1)))
+                # x/-1 and x%-1 computed without the trap on INT_MIN/-1; x/0 is defined as 0 here
+                neg = b.select(b.icmp_signed("==", y, self.splat_like(y, I32, -1)), b.sub(self.splat_like(y, I32, 0), x),
+                               self.splat_like(y, I32, 0))
+                q = b.sdiv(x, b.select(safe, self.splat_like(y, I32, 1), y))
+                r = b.srem(x, b.select(safe, self.splat_like(y, I32, 1), y))
+                return b.select(safe, neg if op == "div" else self.splat_like(y, I32, 0), q if op == "div" else r)
+            return b.sdiv(x, y) if op == "div" else b.srem(x, y)
+        if op in ("shl", "shr"):
+            amt = b.and_(y, self.splat_like(y, I32, 31))
+            return b.shl(x, amt) if op == "shl" else b.ashr(x, amt)
+        if op in ("min", "max"):
+            return b.select(b.icmp_signed("<" if op == "min" else ">", y, x), y, x)
+        return b.icmp_signed({"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}[op], x, y)
+
+    def unop(self, op, x, dt):
+        b = self.b
+        if op == "neg":
+            return b.fneg(x) if dt == "f32" else b.sub(self.splat_like(x, I32, 0), x)
+        if op == "abs":
+            if dt == "f32":
+                return b.call(self.intrinsic("llvm.fabs", x.type), [x])
+            return b.select(b.icmp_signed("<", x, self.splat_like(x, I32, 0)), b.sub(self.splat_like(x, I32, 0), x), x)
+        if op == "not":
+            return b.not_(x)
+        if op in ("f16bits", "bf16bits"):
+            ty = (lambda t: L.VectorType(t, x.type.count)) if isinstance(x.type, L.VectorType) else (lambda t: t)
+            if op == "f16bits":
+                return b.fpext(b.bitcast(b.trunc(x, ty(I16)), ty(F16)), ty(F32))
+            return b.bitcast(b.shl(b.and_(x, self.splat_like(x, I32, 0xFFFF)), self.splat_like(x, I32, 16)), ty(F32))
+        if op == "rsqrt":
+            one = self.splat_like(x, F32, 1.0)
+            return b.fdiv(one, b.call(self.intrinsic("llvm.sqrt", x.type), [x]))
+        return b.call(self.intrinsic(f"llvm.{op}", x.type), [x])
+
+    def cast(self, x, src, dst):
+        b = self.b
+        vec = isinstance(x.type, L.VectorType)
+        ty = (lambda t: L.VectorType(t, x.type.count)) if vec else (lambda t: t)
+        if src == dst:
+            return x
+        if dst == "f32":
+            return b.sitofp(x, ty(F32)) if src == "i32" else b.uitofp(x, ty(F32))
+        if dst == "i32":
+            if src == "bool":
+                return b.zext(x, ty(I32))
+            fn = self.module.declare_intrinsic("llvm.fptosi.sat", [ty(I32), ty(F32)], L.FunctionType(ty(I32), [ty(F32)]))
+            return b.call(fn, [x])
+        return self.binop("ne", x, self.splat_like(x, COMPUTE[src], 0), src)
+
+    # ------------------------------------------------------------------ reductions
+    def combine(self, op, acc, v, dt):
+        return self.binop(op, acc, v, dt)
+
+    def reduce(self, e):
+        ext = self.expr(e.extent)
+        dt = e.value.dtype
+        if e.kind == "unroll" and isinstance(ext, L.Constant) and 0 < ext.constant <= UNROLL_MAX:
+            acc = None
+            for j in range(ext.constant):
+                saved = dict(self.env)
+                self.env[e.var] = L.Constant(I32, j)
+                v = self.expr(e.value)
+                self.env = saved
+                acc = v if acc is None else self.combine(e.op, acc, v, dt)
+            return acc
+        inner = e.value
+        if isinstance(inner, ir.Reduce) and inner.kind == "vector" and inner.op == e.op and self.vectorizable_expr(inner.value):
+            # reduce of a vector reduce: one vector accumulator across both loops
+            accs = self.vector_accumulators(e.op, dt)
+            self.loop(L.Constant(I32, 0), ext, lambda i: self.with_bind({e.var: i}, lambda: self.vector_reduce_into(inner, accs)))
+            return self.finish_accumulators(e.op, dt, accs)
+        if e.kind == "vector" and self.vectorizable_expr(e.value):
+            accs = self.vector_accumulators(e.op, dt)
+            self.vector_reduce_into(e, accs)
+            return self.finish_accumulators(e.op, dt, accs)
+        acc = self.alloca(COMPUTE[dt])
+        self.b.store(_const(dt, _identity(e.op, dt)), acc)
+
+        def body(i):
+            v = self.with_bind({e.var: i}, lambda: self.expr(e.value))
+            self.b.store(self.combine(e.op, self.b.load(acc), v, dt), acc)
+        self.loop(L.Constant(I32, 0), ext, body)
+        return self.b.load(acc)
+
+    def with_bind(self, bind, fn):
+        saved = dict(self.env)
+        self.env.update(bind)
+        try:
+            return fn()
+        finally:
+            self.env = saved
+
+    # ------------------------------------------------------------------ vector code
+    def vectorizable_expr(self, e):
+        if isinstance(e, ir.Reduce):
+            return False
+        return all(self.vectorizable_expr(c) for c in _children(e))
+
+    def vectorizable_body(self, body):
+        for s in body:
+            if isinstance(s, ir.Let) and self.vectorizable_expr(s.value):
+                continue
+            if isinstance(s, ir.Store) and self.vectorizable_expr(s.index) and self.vectorizable_expr(s.value):
+                continue
+            return False
+        return True
+
+    def vec_type(self, dt):
+        return L.VectorType(COMPUTE[dt], self.W)
+
+    def to_vec(self, v: VVal, dt):
+        b, W = self.b, self.W
+        if v.kind == "v":
+            return v.val
+        vt = self.vec_type(dt)
+        splat = b.shuffle_vector(b.insert_element(L.Constant(vt, L.Undefined), v.val, L.Constant(I32, 0)),
+                                 L.Constant(vt, L.Undefined), L.Constant(L.VectorType(I32, W), [0] * W))
+        if v.kind == "u":
+            return splat
+        return b.add(splat, L.Constant(L.VectorType(I32, W), [v.stride * j for j in range(W)]))
+
+    def vexpr(self, e, venv):
+        """Evaluate e with lane-varying names in venv (name -> VVal)."""
+        b = self.b
+        if isinstance(e, ir.Var) and e.name in venv:
+            return venv[e.name]
+        if isinstance(e, (ir.Const, ir.Var)):
+            return VVal("u", self.expr(e))
+        if isinstance(e, ir.Load):
+            idx = self.vexpr(e.index, venv)
+            dt = self.k.buffers[e.buf].dtype
+            if idx.kind == "u":
+                return VVal("u", self.load(e.buf, idx.val))
+            if idx.kind == "lin" and idx.stride == 1:
+                vt = L.VectorType(STORAGE[dt], self.W)
+                v = b.load(b.gep(self.ptrs[e.buf], [idx.val], source_etype=STORAGE[dt]), typ=vt, align=1)
+                return VVal("v", self.from_storage(dt, v))
+            iv = self.to_vec(idx, "i32")
+            out = L.Constant(self.vec_type(e.dtype), L.Undefined)
+            for j in range(self.W):
+                out = b.insert_element(out, self.load(e.buf, b.extract_element(iv, L.Constant(I32, j))), L.Constant(I32, j))
+            return VVal("v", out)
+        if isinstance(e, ir.Bin):
+            x, y = self.vexpr(e.a, venv), self.vexpr(e.b, venv)
+            if x.kind == "u" and y.kind == "u":
+                return VVal("u", self.binop(e.op, x.val, y.val, e.a.dtype))
+            if e.a.dtype == "i32" and "v" not in (x.kind, y.kind):  # keep affine indices affine
+                if e.op in ("add", "sub"):
+                    f, sign = (b.add, 1) if e.op == "add" else (b.sub, -1)
+                    return VVal("lin", f(x.val, y.val), x.stride + sign * y.stride)
+                if e.op == "mul":
+                    lin, u = (x, y) if x.kind == "lin" else (y, x)
+                    if u.kind == "u" and isinstance(u.val, L.Constant):
+                        return VVal("lin", b.mul(lin.val, u.val), lin.stride * u.val.constant)
+            return VVal("v", self.binop(e.op, self.to_vec(x, e.a.dtype), self.to_vec(y, e.b.dtype), e.a.dtype))
+        if isinstance(e, ir.Un):
+            x = self.vexpr(e.a, venv)
+            if x.kind == "u":
+                return VVal("u", self.unop(e.op, x.val, e.a.dtype))
+            return VVal("v", self.unop(e.op, self.to_vec(x, e.a.dtype), e.a.dtype))
+        if isinstance(e, ir.Cast):
+            x = self.vexpr(e.a, venv)
+            if x.kind == "u":
+                return VVal("u", self.cast(x.val, e.a.dtype, e.dtype))
+            return VVal("v", self.cast(self.to_vec(x, e.a.dtype), e.a.dtype, e.dtype))
+        if isinstance(e, ir.Select):
+            c, x, y = self.vexpr(e.cond, venv), self.vexpr(e.a, venv), self.vexpr(e.b, venv)
+            if c.kind == x.kind == y.kind == "u":
+                return VVal("u", b.select(c.val, x.val, y.val))
+            return VVal("v", b.select(self.to_vec(c, "bool"), self.to_vec(x, e.dtype), self.to_vec(y, e.dtype)))
+        raise NotVectorizable(repr(e))
+
+    def split_extent(self, ext):
+        """(end of the W-wide part, end) for a loop of `ext` iterations from 0."""
+        if isinstance(ext, L.Constant):
+            return L.Constant(I32, ext.constant - ext.constant % self.W)
+        return self.b.sub(ext, self.b.srem(ext, L.Constant(I32, self.W)))
+
+    def vector_loop(self, s, start, ext):
+        main = self.split_extent(ext)
+
+        def vbody(i):
+            base = self.b.add(start, i)
+            venv = {s.var: VVal("lin", base, 1)}
+            for st in s.body:
+                if isinstance(st, ir.Let):
+                    venv[st.name] = self.vexpr(st.value, venv)
+                    continue
+                idx, val = self.vexpr(st.index, venv), self.vexpr(st.value, venv)
+                dt = self.k.buffers[st.buf].dtype
+                if idx.kind == "lin" and idx.stride == 1:
+                    v = self.to_storage(dt, self.to_vec(val, st.value.dtype))
+                    self.b.store(v, self.b.gep(self.ptrs[st.buf], [idx.val], source_etype=STORAGE[dt]), align=1)
+                else:
+                    iv, vv = self.to_vec(idx, "i32"), self.to_vec(val, st.value.dtype)
+                    for j in range(self.W):
+                        c = L.Constant(I32, j)
+                        self.store(st.buf, self.b.extract_element(iv, c), self.b.extract_element(vv, c))
+        self.loop(L.Constant(I32, 0), main, vbody, step=self.W)
+        if not (isinstance(ext, L.Constant) and ext.constant % self.W == 0):
+            self.loop(self.b.add(start, main), self.b.add(start, ext), lambda i: self.block(s.body, {s.var: i}))
+
+    def vector_accumulators(self, op, dt):
+        vacc, sacc = self.alloca(self.vec_type(dt)), self.alloca(COMPUTE[dt])
+        ident = _identity(op, dt)
+        self.b.store(L.Constant(self.vec_type(dt), [ident] * self.W), vacc)
+        self.b.store(_const(dt, ident), sacc)
+        return vacc, sacc
+
+    def vector_reduce_into(self, e, accs):
+        vacc, sacc = accs
+        dt = e.value.dtype
+        ext = self.expr(e.extent)
+        main = self.split_extent(ext)
+
+        def vbody(i):
+            v = self.to_vec(self.vexpr(e.value, {e.var: VVal("lin", i, 1)}), dt)
+            self.b.store(self.combine(e.op, self.b.load(vacc), v, dt), vacc)
+        self.loop(L.Constant(I32, 0), main, vbody, step=self.W)
+        if not (isinstance(ext, L.Constant) and ext.constant % self.W == 0):
+            def sbody(i):
+                v = self.with_bind({e.var: i}, lambda: self.expr(e.value))
+                self.b.store(self.combine(e.op, self.b.load(sacc), v, dt), sacc)
+            self.loop(main, ext, sbody)
+
+    def finish_accumulators(self, op, dt, accs):
+        b = self.b
+        v = b.load(accs[0])
+        n = self.W
+        while n > 1:  # pairwise tree: deterministic order
+            n //= 2
+            lo = b.shuffle_vector(v, v, L.Constant(L.VectorType(I32, n), list(range(n))))
+            hi = b.shuffle_vector(v, v, L.Constant(L.VectorType(I32, n), list(range(n, 2 * n))))
+            v = self.combine(op, lo, hi, dt)
+        return self.combine(op, b.extract_element(v, L.Constant(I32, 0)), b.load(accs[1]), dt)
+
+
+def _children(e):
+    if isinstance(e, ir.Load):
+        return (e.index,)
+    if isinstance(e, ir.Bin):
+        return (e.a, e.b)
+    if isinstance(e, (ir.Un, ir.Cast)):
+        return (e.a,)
+    if isinstance(e, ir.Select):
+        return (e.cond, e.a, e.b)
+    return ()
+
+
+def program_module(launch_slots, kernels, width, triple) -> L.Module:
+    """One module: every distinct kernel, the barrier, and `step` that calls the launches in order.
+
+    launch_slots: list of (kernel key, [buffer slot per buffer param], [scalar slot per scalar param]).
+    """
+    m = L.Module(name="jitllm_program")
+    m.triple = triple
+    barrier = L.Function(m, L.FunctionType(VOID, [PTR, I32]), name="jl_barrier")  # defined by BARRIER_IR
+    fns = {}
+    for k in kernels:
+        if k.key() not in fns:
+            fns[k.key()] = KernelLowering(m, k, width).lower()
+    step = L.Function(m, L.FunctionType(VOID, [PTR, PTR, I32, I32, PTR]), name="jl_step")
+    bufs, scal, tid, nth, bar = step.args
+    b = L.IRBuilder(step.append_basic_block("entry"))
+    for key, bslots, sslots in launch_slots:
+        args = [b.load(b.gep(bufs, [L.Constant(I32, s)], source_etype=PTR), typ=PTR) for s in bslots]
+        args += [b.load(b.gep(scal, [L.Constant(I32, s)], source_etype=I32), typ=I32) for s in sslots]
+        b.call(fns[key], args + [tid, nth, bar])
+        b.call(barrier, [bar, nth])
+    b.ret_void()
+    return m

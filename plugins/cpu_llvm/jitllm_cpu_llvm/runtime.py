@@ -1,0 +1,212 @@
+"""CPU devices: memory arenas, JIT compilation (cached on disk) and threads that run whole-step programs.
+
+A program is one native function `jl_step(bufs, scalars, tid, nth, barrier)`; every thread of the device calls
+it with its own tid, and a native barrier separates launches. The calling thread is thread 0, so one step costs
+one ctypes call plus one wake-up of the workers.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import llvmlite
+import llvmlite.binding as llvm
+import numpy as np
+
+from jitllm_core.cache import cache_dir, digest, write_atomic
+from jitllm_core.errors import BackendError
+from jitllm_core.plugin import Buffer, Caps, Device, Program
+
+from . import lower
+
+STEP = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p)
+_init_lock = threading.Lock()
+_passes = None
+
+
+def target_machine():
+    """A fresh host target machine: the pass builder and each MCJIT engine take ownership of theirs."""
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    return llvm.Target.from_triple(llvm.get_process_triple()).create_target_machine(
+        cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3)
+
+
+def optimize(mod):
+    global _passes
+    with _init_lock:
+        if _passes is None:
+            _passes = llvm.create_pass_builder(target_machine(), llvm.create_pipeline_tuning_options(speed_level=3))
+        _passes.getModulePassManager().run(mod, _passes)
+
+
+def simd_width():
+    """f32 lanes per vector register of this CPU."""
+    feats = llvm.get_host_cpu_features()
+    return 16 if feats.get("avx512f") else 8 if feats.get("avx2") else 4
+
+
+class Compiled:
+    """A JIT-compiled program module; the object code is cached on disk by the module's text."""
+
+    def __init__(self, text: str):
+        key = digest(text, llvm.get_process_triple(), llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten(),
+                     llvmlite.__version__)
+        self.path = cache_dir("cpu") / f"{key}.o"
+        self.cached = self.path.exists()
+        mod = llvm.parse_assembly(text)
+        mod.link_in(llvm.parse_assembly(lower.BARRIER_IR))
+        mod.verify()
+        if not self.cached:
+            optimize(mod)
+        self.engine = llvm.create_mcjit_compiler(mod, target_machine())
+        self.engine.set_object_cache(self._save, self._load)
+        self.engine.finalize_object()
+        self.step = STEP(self.engine.get_function_address("jl_step"))
+
+    def _save(self, _mod, buf):
+        write_atomic(self.path, buf)
+
+    def _load(self, _mod):
+        return self.path.read_bytes() if self.path.exists() else None
+
+
+class Workers:
+    """nth-1 persistent threads that each call the step function with their own tid.
+
+    Workers may still be returning from the step's final barrier after thread 0 has moved on, so the barrier
+    word belongs to the Workers (not to a program) and compiled code is never unloaded (see CpuDevice.compiled).
+    """
+
+    def __init__(self, nth: int):
+        self.nth, self.job, self.lock = nth, None, threading.Lock()
+        self.bar = (ctypes.c_int32 * 32)()  # arrival count at [0], generation at [16]: separate cache lines
+        self.go = [threading.Semaphore(0) for _ in range(nth - 1)]
+        for t in range(1, nth):
+            threading.Thread(target=self._loop, args=(t,), daemon=True, name=f"jitllm-cpu-{t}").start()
+
+    def _loop(self, tid):
+        while True:
+            self.go[tid - 1].acquire()
+            fn, bufs, scal = self.job
+            fn(bufs, scal, tid, self.nth, ctypes.addressof(self.bar))
+
+    def run(self, fn, bufs, scal):
+        with self.lock:
+            self.job = (fn, bufs, scal)
+            for s in self.go:
+                s.release()
+            fn(bufs, scal, 0, self.nth, ctypes.addressof(self.bar))  # returns after the final barrier
+
+
+class CpuBuffer(Buffer):
+    def __init__(self, device, nbytes):
+        super().__init__(device, nbytes)
+        raw = np.zeros(nbytes + 128, np.uint8)
+        off = (-raw.ctypes.data) % 64
+        self.arr = raw[off:off + nbytes]
+        self.addr = raw.ctypes.data + off
+
+    def host_view(self):
+        return self.arr
+
+
+class CpuProgram(Program):
+    def __init__(self, device, launches):
+        self.device = device
+        bslot, sslot, slots = {}, {}, []
+        for ln in launches:
+            bs = [bslot.setdefault(id(ln.buffers[p]), (len(bslot), ln.buffers[p]))[0] for p in ln.kernel.buffers]
+            ss = [sslot.setdefault(ln.scalar_name(s), len(sslot)) for s in ln.kernel.scalars]
+            for p, prm in ln.kernel.buffers.items():
+                need = prm.size * {"f32": 4, "i32": 4, "f16": 2, "bf16": 2, "u8": 1, "i8": 1}[prm.dtype]
+                if ln.buffers[p].nbytes < need:
+                    raise BackendError(f"kernel {ln.kernel.name}: buffer for {p} has {ln.buffers[p].nbytes} bytes, "
+                                       f"needs {need}")
+            slots.append((ln.kernel.key(), bs, ss))
+        kernels = [ln.kernel for ln in launches]
+        text = str(lower.program_module(slots, kernels, simd_width(), llvm.get_process_triple()))
+        self.compiled = device.compile_text(text)
+        self.scalar_slots = sslot
+        self.keep = [b for _, b in bslot.values()]
+        self.bufs = (ctypes.c_void_p * max(1, len(bslot)))(*[b.addr for _, b in sorted(bslot.values(), key=lambda t: t[0])])
+        self.scal = (ctypes.c_int32 * max(1, len(sslot)))()
+
+    def run(self, values):
+        for name, i in self.scalar_slots.items():
+            self.scal[i] = int(values[name])
+        self.device.workers.run(self.compiled.step, ctypes.addressof(self.bufs), ctypes.addressof(self.scal))
+
+
+class CpuDevice(Device):
+    backend = "cpu"
+
+    def __init__(self, name, threads, memory_bytes):
+        self.name = name
+        self.caps = Caps(memory_bytes=memory_bytes, bandwidth_Bps=0.0, subgroup_size=simd_width(), fp16=True,
+                         int8=True, host_visible=True, extra={"threads": threads, "cpu": llvm.get_host_cpu_name()})
+        self.used = 0
+        self.compiled = {}  # module text digest -> Compiled, kept for the process's life (see Workers)
+        self._lock = threading.Lock()
+        self.configure(threads=threads)
+
+    def configure(self, threads=None, memory_bytes=None):
+        if threads:
+            self.threads = int(threads)
+            self.caps.extra["threads"] = self.threads
+            self.workers = Workers(self.threads)
+        if memory_bytes:
+            self.caps.memory_bytes = int(memory_bytes)
+
+    def describe(self):
+        return f"{self.name}: {self.caps.extra['cpu']}, {self.threads} threads, SIMD {self.caps.subgroup_size} x f32"
+
+    def alloc(self, nbytes):
+        with self._lock:
+            if self.used + nbytes > self.caps.memory_bytes:
+                raise BackendError(f"{self.name}: out of memory ({self.used + nbytes} > {self.caps.memory_bytes} bytes)")
+            self.used += nbytes
+        return CpuBuffer(self, nbytes)
+
+    def free(self, buf):
+        with self._lock:
+            self.used -= buf.nbytes
+        buf.arr = None
+
+    def upload(self, buf, data, offset=0):
+        data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        buf.arr[offset:offset + data.size] = data
+
+    def download(self, buf, nbytes=None, offset=0):
+        n = buf.nbytes - offset if nbytes is None else nbytes
+        return buf.arr[offset:offset + n].copy()
+
+    def program(self, launches):
+        return CpuProgram(self, launches)
+
+    def compile_text(self, text):
+        key = digest(text)
+        if key in self.compiled:
+            return self.compiled[key]
+        try:
+            self.compiled[key] = Compiled(text)
+            return self.compiled[key]
+        except RuntimeError as e:  # llvmlite reports parse/verify/codegen failures as RuntimeError
+            raise BackendError(f"{self.name}: LLVM compile failed: {e}") from None
+
+
+def total_memory():
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 8 << 30
+
+
+def make_devices(threads=None):
+    """`cpu`, or with JITLLM_CPU_DEVICES=N, N partitions cpu:0..cpu:N-1 with their own arenas and threads."""
+    threads = int(threads or os.environ.get("JITLLM_THREADS") or os.cpu_count() or 1)
+    n = int(os.environ.get("JITLLM_CPU_DEVICES") or 0)
+    if n <= 0:
+        return [CpuDevice("cpu", threads, total_memory())]
+    return [CpuDevice(f"cpu:{i}", max(1, threads // n), total_memory() // n) for i in range(n)]

@@ -1,0 +1,187 @@
+"""Kernels that exercise every IR construct, with inputs; every backend is checked against the interpreter on
+these (see tests/backend_check.py)."""
+import numpy as np
+
+from jitllm_core import ir
+from jitllm_core.interp import NP_STORAGE, f32_to_bf16
+
+F = ir.f32
+
+
+def _rand(rng, dtype, n):
+    if dtype == "f32":
+        return rng.standard_normal(n).astype(np.float32)
+    if dtype == "f16":
+        return rng.standard_normal(n).astype(np.float16)
+    if dtype == "bf16":
+        return f32_to_bf16(rng.standard_normal(n))
+    if dtype == "i32":
+        return rng.integers(-1000, 1000, n).astype(np.int32)
+    return rng.integers(0, 256, n).astype(np.uint8).view(NP_STORAGE[dtype])
+
+
+def elementwise_f32(n=37):
+    k = ir.Kernel("ew_f32")
+    k.buffer("a", "f32", n), k.buffer("b", "f32", n), k.buffer("o", "f32", n * 16, True)
+    with k.parallel("i", n) as i:
+        a, b = k.load("a", i), k.load("b", i)
+        pos = ir.Un("abs", a) + 0.5
+        outs = [a + b, a - b, a * b, a / pos, ir.vmin(a, b), ir.vmax(a, b), -a, ir.Un("abs", b),
+                ir.exp(a), ir.log(pos), ir.sqrt(pos), ir.rsqrt(pos), ir.sin(a), ir.cos(a),
+                ir.Un("floor", a * 3.0) + ir.Un("tanh", b), ir.select(a < b, a, b * 2.0)]
+        for j, v in enumerate(outs):
+            k.store("o", i * 16 + j, v)
+    return k
+
+
+def integer_ops(n=29):
+    k = ir.Kernel("int_ops")
+    k.buffer("a", "i32", n), k.buffer("b", "i32", n), k.buffer("o", "i32", n * 12, True)
+    with k.parallel("i", n) as i:
+        a, b = k.load("a", i), k.load("b", i)
+        nz = ir.select(b == 0, ir.as_expr(7), b)
+        outs = [a + b, a - b, a * b, a // nz, a % nz, a & b, a | b, a ^ b, (a & 1023) << 3, a >> 2,
+                ir.i32(F(a) * 0.37), ir.i32(ir.select(ir.Bin("land", a > 0, b > 0), ir.as_expr(1), ir.as_expr(0)))]
+        for j, v in enumerate(outs):
+            k.store("o", i * 12 + j, v)
+    return k
+
+
+def storage_types(n=33):
+    k = ir.Kernel("storage")
+    for d in ("f16", "bf16", "u8", "i8"):
+        k.buffer(f"in_{d}", d, n)
+        k.buffer(f"out_{d}", d, n, True)
+    k.buffer("f", "f32", n * 4, True)
+    with k.parallel("i", n) as i:
+        for j, d in enumerate(("f16", "bf16", "u8", "i8")):
+            v = k.load(f"in_{d}", i)
+            k.store("f", i * 4 + j, F(v))
+            k.store(f"out_{d}", i, v * 3.0 if v.dtype == "f32" else v + 1)
+    return k
+
+
+def half_bits(n=24):
+    """f16/bf16 scalars stored inside a byte buffer, as quantized blocks hold them."""
+    k = ir.Kernel("half_bits")
+    k.buffer("raw", "u8", n * 2), k.buffer("o", "f32", n * 2, True)
+    with k.parallel("i", n) as i:
+        bits = k.load("raw", i * 2) | (k.load("raw", i * 2 + 1) << 8)
+        k.store("o", i * 2, ir.f16bits(bits))
+        k.store("o", i * 2 + 1, ir.bf16bits(bits))
+    return k
+
+
+def reductions(rows=5, cols=45):
+    k = ir.Kernel("reductions")
+    k.buffer("x", "f32", rows * cols), k.buffer("o", "f32", rows * 8, True)
+    n = k.scalar("n")
+    with k.parallel("r", rows) as r:
+        row = lambda c: k.load("x", r * cols + c)
+        outs = [ir.reduce("add", "c", cols, row, "reduce"), ir.reduce("add", "c", cols, row, "vector"),
+                ir.reduce("max", "c", cols, row, "reduce"), ir.reduce("min", "c", cols, row, "vector"),
+                ir.reduce("add", "c", 7, row, "unroll"), ir.reduce("max", "c", n, row, "serial"),
+                # a reduce of a vector reduce: the shape of a quantized dot product
+                ir.reduce("add", "b", cols // 9, lambda b: ir.reduce("add", "j", 9, lambda j: row(b * 9 + j) * 2.0,
+                                                                     "vector"), "reduce"),
+                ir.reduce("add", "c", n, lambda c: F(k.load("x", r * cols + c) > 0.0), "vector")]
+        for j, v in enumerate(outs):
+            k.store("o", r * 8 + j, v)
+    return k
+
+
+def vector_loops(n=50):
+    k = ir.Kernel("vector_loops")
+    k.buffer("x", "f32", n), k.buffer("idx", "i32", n), k.buffer("o", "f32", n * 3, True)
+    with k.parallel("p", 1):
+        with k.loop("i", n, "vector") as i:
+            k.store("o", i, k.load("x", i) * 2.0 + 1.0)                       # contiguous
+            k.store("o", n + (n - 1 - i), k.load("x", k.load("idx", i)))      # gather + reversed store
+            k.store("o", 2 * n + i, ir.select(k.load("x", i) > 0.0, k.load("x", i), ir.as_expr(0.0)))
+    return k
+
+
+def locals_and_ifs(n=40):
+    k = ir.Kernel("locals_ifs")
+    k.buffer("x", "f32", n), k.buffer("o", "f32", n + 2, True), k.buffer("oi", "i32", 1, True)
+    with k.parallel("p", 1):
+        acc = k.local("acc", 0.0)
+        best = k.local("best", 0)
+        with k.loop("i", n, "serial") as i:
+            k.assign(acc, acc + k.load("x", i))
+            k.store("o", i, acc)                                            # prefix sum
+            with k.if_(k.load("x", i) > k.load("x", best)):
+                k.assign(best, i)                                           # argmax
+        k.store("o", n, acc)
+        k.store("oi", 0, best)
+        k.emit(ir.If(acc > 0.0, [ir.Store("o", ir.as_expr(n + 1), ir.as_expr(1.0))],
+                     [ir.Store("o", ir.as_expr(n + 1), ir.as_expr(-1.0))]))
+    return k
+
+
+def barriers(n=64):
+    """Phase 2 reads phase 1's results at other indices; inside an iteration, a scratch row is written by a
+    vector loop and then reduced."""
+    k = ir.Kernel("barriers")
+    k.buffer("x", "f32", n), k.buffer("t", "f32", n, True), k.buffer("o", "f32", n, True)
+    k.buffer("s", "f32", 4 * 16, True), k.buffer("m", "f32", 4, True)
+    with k.parallel("i", n) as i:
+        k.store("t", i, k.load("x", i) * k.load("x", i))
+    k.barrier()
+    with k.parallel("i", n) as i:
+        k.store("o", i, k.load("t", (i + 17) % n) + k.load("t", (i * 5) % n))
+    with k.parallel("g", 4) as g:
+        with k.loop("j", 16, "vector") as j:
+            k.store("s", g * 16 + j, k.load("x", g * 16 + j) + 1.0)
+        k.barrier()
+        k.store("m", g, ir.reduce("max", "j", 16, lambda j: k.load("s", g * 16 + (15 - j)), "reduce"))
+    return k
+
+
+def atomics(n=200, bins=8):
+    k = ir.Kernel("atomics")
+    k.buffer("x", "i32", n), k.buffer("h", "i32", bins, True), k.buffer("fs", "f32", bins, True)
+    with k.parallel("i", n) as i:
+        b = k.load("x", i) & (bins - 1)
+        k.atomic_add("h", b, 1)
+        k.atomic_add("fs", b, 0.25)
+    return k
+
+
+def scalar_params(n=30):
+    k = ir.Kernel("scalars")
+    k.buffer("x", "f32", n), k.buffer("o", "f32", n, True)
+    m, off = k.scalar("m"), k.scalar("off")
+    with k.parallel("i", m) as i:
+        k.store("o", i, k.load("x", i + off) + F(m))
+    k.store("o", n - 1, F(off))   # a top-level statement runs once
+    return k
+
+
+# name -> (builder, scalars)
+CASES = {
+    "elementwise_f32": (elementwise_f32, {}),
+    "integer_ops": (integer_ops, {}),
+    "storage_types": (storage_types, {}),
+    "half_bits": (half_bits, {}),
+    "reductions": (reductions, {"n": 13}),
+    "vector_loops": (vector_loops, {}),
+    "locals_and_ifs": (locals_and_ifs, {}),
+    "barriers": (barriers, {}),
+    "atomics": (atomics, {}),
+    "scalar_params": (scalar_params, {"m": 20, "off": 6}),
+}
+
+
+def inputs_for(k: ir.Kernel, seed=0):
+    """Random inputs for every buffer (write buffers zeroed), with per-case fixes."""
+    rng = np.random.default_rng(seed)
+    bufs = {}
+    for p in k.buffers.values():
+        bufs[p.name] = np.zeros(p.size, NP_STORAGE[p.dtype]) if p.write else _rand(rng, p.dtype, p.size)
+    if "idx" in bufs:
+        bufs["idx"] = rng.permutation(k.buffers["idx"].size).astype(np.int32)
+    if k.name == "half_bits":  # avoid NaN patterns, whose payload is not portable
+        bufs["raw"] = np.frombuffer(rng.standard_normal(k.buffers["raw"].size // 2).astype(np.float16).tobytes(),
+                                    np.uint8).copy()
+    return bufs
