@@ -1,0 +1,176 @@
+"""`jitllm bench`: prompt and decode tokens/s of the engine, beside llama.cpp on the same GGUF when llama-cpp-python
+is installed, and decode's fraction of the machine's measured memory read bandwidth.
+
+Method, per thread count: one jitllm Engine and one llama.cpp context with that many threads, on the same file
+and the same prompt token ids; one warm-up run of each, then `repeats` runs interleaved A B A B; medians.
+Prompt tok/s = prompt tokens / prefill time; decode tok/s = decode steps / their time (greedy, EOS ignored).
+Read bandwidth: a NumPy sum over a 512 MB array split over the same number of threads (STREAM-style read),
+best of 5. Decode's fraction of it = bytes read per token x decode tok/s / bandwidth.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from .cli import print_table
+from .engine import Engine
+from .errors import JitllmError
+from .gguf import GGUFFile
+
+PROMPT_TEXT = ("The history of compilers begins with the first high-level languages, when programmers wrote "
+               "machine code by hand and dreamed of letting the machine translate their formulas. ")
+
+
+def read_bandwidth(threads: int, nbytes: int = 512 << 20, runs: int = 5) -> float:
+    """Bytes/s that `threads` threads reach reading (summing) a float64 array of nbytes."""
+    a = np.ones(nbytes // 8)
+    chunks = np.array_split(a, threads)
+    best = float("inf")
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(runs):
+            start = time.perf_counter()
+            list(pool.map(np.sum, chunks))
+            best = min(best, time.perf_counter() - start)
+    return a.nbytes / best
+
+
+def gguf_bytes_per_token(path: str) -> int:
+    """Bytes of the model's tensors, each read once per token; an untied embedding table counts only as the
+    one row a token reads (nothing)."""
+    tensors = GGUFFile(path).tensors
+    skip = {"token_embd.weight"} if "output.weight" in tensors else set()
+    return sum(t.nbytes for name, t in tensors.items() if name not in skip)
+
+
+def prompt_ids(tokenizer, n: int) -> list[int]:
+    ids = tokenizer.encode(PROMPT_TEXT)
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+def jitllm_once(eng, ids, steps) -> tuple[float, float]:
+    t = eng.generate(ids, max_tokens=steps + 1, temperature=0.0, ignore_eos=True).timings
+    return t["prompt_tokens"] / t["prefill_s"], t["decode_tokens"] / t["decode_s"]
+
+
+class LlamaCpp:
+    """llama.cpp through llama-cpp-python, timed the same way: prefill, then greedy single-token steps."""
+
+    def __init__(self, path, threads, n_ctx):
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, verbose=False)
+
+    def next_token(self):
+        return int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+
+    def once(self, ids, steps) -> tuple[float, float]:
+        self.llm.reset()
+        start = time.perf_counter()
+        self.llm.eval(ids)
+        token = self.next_token()
+        prefilled = time.perf_counter()
+        for _ in range(steps):
+            self.llm.eval([token])
+            token = self.next_token()
+        end = time.perf_counter()
+        return len(ids) / (prefilled - start), steps / (end - prefilled)
+
+    def close(self):
+        self.llm.close()
+
+
+def open_llama_cpp(path, threads, n_ctx):
+    """A LlamaCpp, or None (with a note why) when llama-cpp-python is missing or cannot load the file."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print("llama.cpp: not measured (llama-cpp-python is not installed; `pip install llama-cpp-python` "
+              "builds it, about 4 minutes on 2 cores)", file=sys.stderr)
+        return None
+    if not os.path.isfile(path):
+        print(f"llama.cpp: not measured ({path} is not a GGUF file)", file=sys.stderr)
+        return None
+    try:
+        return LlamaCpp(path, threads, n_ctx)
+    except Exception as e:  # llama-cpp-python raises ValueError, RuntimeError, ... for files it cannot load
+        print(f"llama.cpp: not measured (it could not load {path}: {e})", file=sys.stderr)
+        return None
+
+
+def run_bench(model=None, devices=None, kv_dtype="f16", threads=(1, 2), prompt_tokens=37, decode_tokens=64,
+              repeats=5, llama_cpp=True, out=None) -> list[dict]:
+    """Measure, print the table on `out` (stdout) and return one dict per thread count (tok/s are medians)."""
+    if prompt_tokens < 1 or decode_tokens < 1 or repeats < 1:
+        raise JitllmError("bench: --prompt-tokens, --decode-tokens and --repeats must be at least 1")
+    out = out or sys.stdout
+    results, model_path, bytes_source = [], None, None
+    for n in threads:
+        print(f"bench: {n} thread(s): measuring read bandwidth, loading, warming up ...", file=sys.stderr)
+        bandwidth = read_bandwidth(n)
+        eng = Engine(model=model, devices=devices or ["cpu"], threads=n, kv_dtype=kv_dtype)
+        peer = None
+        try:
+            model_path = eng.model_path
+            ids = prompt_ids(eng.tokenizer, prompt_tokens)
+            if llama_cpp:
+                peer = open_llama_cpp(model_path, n, prompt_tokens + decode_tokens + 16)
+                llama_cpp = peer is not None  # say why only once
+            runs = {"jitllm": [], "llama.cpp": []}
+            for r in range(repeats + 1):  # run 0 is the warm-up
+                measured = {"jitllm": jitllm_once(eng, ids, decode_tokens)}
+                if peer:
+                    measured["llama.cpp"] = peer.once(ids, decode_tokens)
+                if r:
+                    for name, m in measured.items():
+                        runs[name].append(m)
+            bytes_per_token = eng.stats.get("bytes_per_token")
+            bytes_source = "counted by the engine"
+            if not bytes_per_token and os.path.isfile(model_path):
+                bytes_per_token, bytes_source = gguf_bytes_per_token(model_path), "the GGUF file's tensors"
+        finally:
+            eng.close()
+            if peer:
+                peer.close()
+        row = {"threads": n, "bandwidth_Bps": bandwidth, "bytes_per_token": bytes_per_token}
+        for name, ms in runs.items():
+            if ms:
+                row[name] = {"prompt_tok_s": statistics.median(m[0] for m in ms),
+                             "decode_tok_s": statistics.median(m[1] for m in ms)}
+        results.append(row)
+    print_report(results, model_path, prompt_tokens, decode_tokens, repeats, bytes_source, out)
+    return results
+
+
+def print_report(results, model_path, prompt_tokens, decode_tokens, repeats, bytes_source, out):
+    peer = any("llama.cpp" in r for r in results)
+    engines = ["jitllm", "llama.cpp"] if peer else ["jitllm"]
+    bpt = results[0]["bytes_per_token"]
+    print(f"model: {model_path}", file=out)
+    print(f"{prompt_tokens}-token prompt, {decode_tokens} decode steps; medians of {repeats} runs after a warm-up"
+          + (", jitllm and llama.cpp interleaved" if peer else ""), file=out)
+    print(f"bytes read per token: {bpt / 1e6:.1f} MB ({bytes_source})" if bpt else
+          "bytes read per token: unknown", file=out)
+    header = ["threads"]
+    for what in ("prompt", "decode"):
+        header += [f"{what} {e}" for e in engines] + (["ratio"] if peer else [])
+    header += ["read GB/s"] + [f"{e} % of bw" for e in engines]
+    rows = []
+    for r in results:
+        row = [r["threads"]]
+        for what in ("prompt_tok_s", "decode_tok_s"):
+            row += [f"{r[e][what]:.1f}" if e in r else "-" for e in engines]
+            if peer:
+                row.append(f"{r['jitllm'][what] / r['llama.cpp'][what]:.2f}x" if "llama.cpp" in r else "-")
+        row.append(f"{r['bandwidth_Bps'] / 1e9:.1f}")
+        b = r["bytes_per_token"]
+        row += [f"{100 * b * r[e]['decode_tok_s'] / r['bandwidth_Bps']:.0f}%" if b and e in r else "-"
+                for e in engines]
+        rows.append(row)
+    print_table(header, rows, file=out, right=range(len(header)))
+    print("tok/s" + ("; ratio = jitllm / llama.cpp" if peer else "") + "; % of bw = bytes per token x decode "
+          "tok/s / read bandwidth at that thread count", file=out)

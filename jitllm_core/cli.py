@@ -1,0 +1,390 @@
+"""The `jitllm` command: run, chat, devices, bench, compile, plan.
+
+Every JitllmError ends the command with `jitllm: error: <message>` on stderr and exit code 2, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from collections import deque
+
+from .errors import JitllmError
+from .plan_cli import add_plan_arguments, run_plan
+
+INSTALL_HINT = ("Install the CPU backend:  pip install jitllm-cpu-llvm\n"
+                "  (from a checkout of the repository:  pip install ./plugins/cpu_llvm)")
+CHAT_HELP = ("Type a message and press Enter. Commands (/move, /placement and /stats also work while a reply "
+             "streams):\n"
+             "  /move LAYERS DEVICE   migrate layers, e.g. /move 0-29 vulkan:0 or /move 0-3,8 cpu:1\n"
+             "  /placement            which device each unit is on\n"
+             "  /stats                the engine's counters\n"
+             "  /reset                forget the conversation\n"
+             "  /quit                 leave (also Ctrl-D); Ctrl-C stops a reply")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except JitllmError as e:
+        print(f"jitllm: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    engine = argparse.ArgumentParser(add_help=False)
+    engine.add_argument("-m", "--model", help="GGUF file or HF safetensors folder (default: SmolLM2-135M-Instruct)")
+    engine.add_argument("--device", action="append", metavar="D",
+                        help="device to use, e.g. cpu, cpu:1, vulkan:0 (repeatable; default: all available)")
+    engine.add_argument("--kv-dtype", choices=("f16", "f32"), default="f16", help="KV cache dtype (default f16)")
+    threads = argparse.ArgumentParser(add_help=False)
+    threads.add_argument("--threads", type=int, metavar="N", help="CPU threads (default: all cores)")
+    sampling = argparse.ArgumentParser(add_help=False)
+    sampling.add_argument("--max-tokens", type=int, default=256, metavar="N")
+    sampling.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
+    sampling.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
+    sampling.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    sampling.add_argument("--seed", type=int)
+
+    parser = argparse.ArgumentParser(prog="jitllm", description="LLM inference with kernels JIT-compiled for "
+                                     "the devices it finds, and layers that move between them.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("run", parents=[engine, threads, sampling], help="generate a reply to one prompt")
+    p.add_argument("-p", "--prompt", help="the prompt (default: read from stdin)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--chat", dest="chat", action="store_true", default=True,
+                      help="wrap the prompt in the model's chat template (default)")
+    mode.add_argument("--raw", dest="chat", action="store_false", help="feed the prompt as it is")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("chat", parents=[engine, threads, sampling], help="interactive multi-turn chat",
+                       description=CHAT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("devices", help="backends and devices found, with the reason for any that is missing")
+    p.set_defaults(func=cmd_devices)
+
+    p = sub.add_parser("bench", parents=[engine], help="prompt and decode tokens/s, beside llama.cpp if installed")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2], metavar="N", help="thread counts (default 1 2)")
+    p.add_argument("--prompt-tokens", type=int, default=37, metavar="N")
+    p.add_argument("--decode-tokens", type=int, default=64, metavar="N")
+    p.add_argument("--repeats", type=int, default=5, metavar="N", help="measured runs per engine (after a warm-up)")
+    p.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false", help="skip llama.cpp")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("compile", help="compile a model's kernels ahead of time for a backend and architecture")
+    p.add_argument("-m", "--model", help="GGUF file or HF safetensors folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--backend", default="cuda", help="backend name (default cuda)")
+    p.add_argument("--arch", required=True, help="target architecture, e.g. sm_90")
+    p.set_defaults(func=cmd_compile)
+
+    p = sub.add_parser("plan", help="candidate placements with their predicted cost")
+    add_plan_arguments(p)
+    p.set_defaults(func=run_plan)
+    return parser
+
+
+# ------------------------------------------------------------------------------------------------ engine
+
+class ProgressBar:
+    """`stage [#####.....] done/total` on a terminal, redrawn in place while the engine loads and compiles."""
+
+    def __init__(self, file):
+        self.file, self.drawn = file, False
+
+    def __call__(self, stage, done, total):
+        width = 30
+        filled = width * done // total if total else width
+        self.file.write(f"\r{stage[:28]:<28} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}\x1b[K")
+        self.file.flush()
+        self.drawn = True
+
+    def clear(self):
+        if self.drawn:
+            self.file.write("\r\x1b[K")
+            self.file.flush()
+
+
+def open_engine(args, threads=None):
+    from .engine import Engine
+
+    bar = ProgressBar(sys.stderr) if sys.stderr.isatty() else None
+    try:
+        return Engine(model=args.model, devices=args.device, threads=threads, kv_dtype=args.kv_dtype, progress=bar)
+    finally:
+        if bar:
+            bar.clear()
+
+
+def sampling_options(args) -> dict:
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                seed=args.seed)
+
+
+def stream_to(out, events, on_token=None) -> tuple[str, bool]:
+    """Write a streamed reply as it arrives; Ctrl-C stops it cleanly. Returns (text, interrupted)."""
+    parts = []
+    try:
+        for ev in events:
+            out.write(ev.text)
+            out.flush()
+            parts.append(ev.text)
+            if on_token:
+                on_token()
+        interrupted = False
+    except KeyboardInterrupt:
+        events.close()
+        interrupted = True
+    out.write("\n")
+    out.flush()
+    return "".join(parts), interrupted
+
+
+# ------------------------------------------------------------------------------------------------ run
+
+def cmd_run(args) -> int:
+    prompt = args.prompt
+    if prompt is None:
+        if sys.stdin.isatty():
+            raise JitllmError("no prompt: give one with -p PROMPT or on stdin")
+        prompt = sys.stdin.read()
+    eng = open_engine(args, args.threads)
+    try:
+        if args.chat:
+            events = eng.chat([{"role": "user", "content": prompt}], stream=True, **sampling_options(args))
+        else:
+            events = eng.generate(prompt, stream=True, **sampling_options(args))
+        _, interrupted = stream_to(sys.stdout, events)
+        if interrupted:
+            print("[stopped]", file=sys.stderr)
+            return 130
+        print(summary(eng.last), file=sys.stderr)
+        return 0
+    finally:
+        eng.close()
+
+
+def summary(result) -> str:
+    t = result.timings
+    prompt = t["prompt_tokens"] / t["prefill_s"] if t["prefill_s"] else 0.0
+    decode = t["decode_tokens"] / t["decode_s"] if t["decode_s"] else 0.0
+    return (f"[{t['prompt_tokens']} prompt tokens at {prompt:.1f} tok/s, {len(result.token_ids)} generated at "
+            f"{decode:.1f} tok/s; finish: {result.finish_reason}]")
+
+
+# ------------------------------------------------------------------------------------------------ chat
+
+def cmd_chat(args) -> int:
+    eng = open_engine(args, args.threads)
+    try:
+        return ChatSession(eng, sampling_options(args)).loop()
+    finally:
+        eng.close()
+
+
+def parse_layers(text: str) -> list[int]:
+    """'0-29' -> [0..29]; '0-3,8' -> [0, 1, 2, 3, 8]."""
+    layers = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            layers.extend(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise JitllmError(f"bad layer list {text!r}: expected e.g. 0-29 or 0-3,8") from None
+    return layers
+
+
+def describe_migration(report) -> str:
+    if not report.ok:
+        return f"move failed and was rolled back ({report.reason}); generation continued where it was"
+    mb = 1e6
+    return (f"moved: pause {report.pause_ms:.2f} ms, {report.bytes_precopied / mb:.2f} MB pre-copied, "
+            f"{report.bytes_in_pause / mb:.2f} MB in the pause, via {', '.join(map(str, report.paths)) or '-'}, "
+            f"{report.recomputed_tokens} tokens recomputed")
+
+
+class ChatSession:
+    """Input is read on its own thread, so that /move, /placement and /stats run even while a reply streams;
+    anything else typed meanwhile waits until the reply ends."""
+    LIVE = ("/move", "/placement", "/stats")
+
+    def __init__(self, eng, sampling):
+        self.eng, self.sampling = eng, sampling
+        self.messages = []
+        self.lines = queue.Queue()
+        self.deferred = deque()
+        self.migrations = []  # threads waiting for a migration's report
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in sys.stdin:
+            self.lines.put(line.strip())
+        self.lines.put(None)  # end of input
+
+    def loop(self) -> int:
+        print(CHAT_HELP, file=sys.stderr)
+        try:
+            while True:
+                if not self.deferred and sys.stdin.isatty():
+                    print("> ", end="", flush=True)
+                line = self.deferred.popleft() if self.deferred else self.lines.get()
+                if line is None or line == "/quit":
+                    return 0
+                if line.startswith("/"):
+                    self.command(line)
+                elif line:
+                    self.reply(line)
+        finally:
+            for t in self.migrations:
+                t.join()
+
+    def reply(self, text):
+        self.messages.append({"role": "user", "content": text})
+        events = self.eng.chat(list(self.messages), stream=True, **self.sampling)
+        answer, interrupted = stream_to(sys.stdout, events, on_token=self._live_commands)
+        if interrupted:
+            print("[stopped]", file=sys.stderr)
+        self.messages.append({"role": "assistant", "content": answer})
+
+    def _live_commands(self):
+        while True:
+            try:
+                line = self.lines.get_nowait()
+            except queue.Empty:
+                return
+            if line and line.split()[0] in self.LIVE:
+                print(file=sys.stderr)  # the reply is mid-line
+                self.command(line)
+            else:
+                self.deferred.append(line)
+
+    def command(self, line):
+        name, *rest = line.split()
+        try:
+            if name == "/move" and len(rest) == 2:
+                self.move(parse_layers(rest[0]), rest[1])
+            elif name == "/placement":
+                self.show_placement()
+            elif name == "/stats":
+                print(json.dumps(self.eng.stats, indent=2, default=str), file=sys.stderr)
+            elif name == "/reset":
+                self.messages.clear()
+                print("[conversation cleared]", file=sys.stderr)
+            else:
+                print(CHAT_HELP, file=sys.stderr)
+        except JitllmError as e:
+            print(f"jitllm: error: {e}", file=sys.stderr)
+
+    def move(self, layers, device):
+        handle = self.eng.migrate(layers, device, wait=False)
+        print(f"[moving {len(layers)} layers to {device}...]", file=sys.stderr)
+
+        def report():
+            try:
+                print(f"\n[{describe_migration(handle.result())}]", file=sys.stderr)
+            except JitllmError as e:
+                print(f"\njitllm: error: {e}", file=sys.stderr)
+
+        t = threading.Thread(target=report, daemon=True)
+        t.start()
+        self.migrations.append(t)
+
+    def show_placement(self):
+        """One line per run of consecutive units on the same device and residency."""
+        runs = []
+        for unit, where in self.eng.placement.items():
+            if runs and runs[-1][2] == where:
+                runs[-1][1] = unit
+            else:
+                runs.append([unit, unit, where])
+        for first, last, (device, residency) in runs:
+            units = str(first) if first == last else f"{first}..{last}"
+            print(f"  {units:<24} {device:<12} {residency}", file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------------------------ devices
+
+def print_table(header, rows, file=None, right=()):
+    """Columns padded to their widest cell; columns whose index is in `right` are right-aligned."""
+    cells = [list(map(str, r)) for r in [header, *rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for r in cells:
+        print("  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip(),
+              file=file or sys.stdout)
+
+
+def cmd_devices(args) -> int:
+    from .registry import backend_status
+
+    status = backend_status()
+    rows = []
+    for st in status:
+        for d in st["devices"]:
+            rows.append([st["name"], st["status"], d.name, f"{d.caps.memory_bytes / 2**30:.1f} GiB",
+                         d.describe().removeprefix(f"{d.name}: ")])
+        if not st["devices"]:
+            rows.append([st["name"], st["status"], "-", "-", st["reason"] or "no devices"])
+    if rows:
+        print_table(["backend", "status", "device", "memory", "detail"], rows)
+    if not any(st["status"] == "ok" and st["devices"] for st in status):
+        only = os.environ.get("JITLLM_PLUGINS")
+        if status:
+            print("No backend found a usable device (reasons above).")
+        elif only:
+            print(f"No backend plugin loaded: JITLLM_PLUGINS={only} names none that is installed.")
+        else:
+            print("No backend plugin is installed, so jitllm has no device to run on.")
+        print(INSTALL_HINT)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ bench
+
+def cmd_bench(args) -> int:
+    from .bench import run_bench
+
+    run_bench(model=args.model, devices=args.device, kv_dtype=args.kv_dtype, threads=args.threads,
+              prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, repeats=args.repeats,
+              llama_cpp=args.llama_cpp)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ compile
+
+def cmd_compile(args) -> int:
+    from .registry import backend_status
+
+    found = [st for st in backend_status() if st["name"] == args.backend]
+    backend = found[0]["backend"] if found else None
+    if not hasattr(backend, "compile_ahead"):
+        why = f" ({found[0]['reason']})" if found and found[0]["reason"] else ""
+        raise JitllmError(f"backend {args.backend!r} is not installed or cannot compile ahead of time{why}; "
+                          "`jitllm devices` lists the backends found")
+    from .llama import model_kernels
+    from .models import default_model_path
+
+    path = args.model or default_model_path()
+    kernels = model_kernels(path)
+    start = time.perf_counter()
+    results = backend.compile_ahead(kernels, args.arch)
+    seconds = time.perf_counter() - start
+    cached = sum(1 for r in results if r["cached"])
+    print(f"{args.backend} {args.arch}: {len(results)} kernels for {os.path.basename(path)} in {seconds:.1f} s "
+          f"({cached} from the cache, {sum(r['bytes'] for r in results) / 1e6:.2f} MB of code)")
+    slowest = sorted(results, key=lambda r: -r["seconds"])[:5]
+    print_table(["slowest kernels", "seconds", "bytes"], [[r["name"], f"{r['seconds']:.2f}", r["bytes"]]
+                                                          for r in slowest], right=(1, 2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,391 @@
+"""The engine: places units on devices, runs steps segment by segment, samples, streams text.
+
+Concurrency: one lock guards the step loop. A step holds it; between steps (and while a streaming caller holds
+a token) it is free, so `migrate` from any thread -- including the consumer of a stream -- runs at a step
+boundary.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import registry
+from .errors import ContextLimitError, JitllmError
+from .kvcache import PagePool, Sequence
+from .llama import Llama, ModelFile
+from .models import default_model_path
+from .plugin import Launch
+from .sampler import Sampler
+from .tokenizer import StreamDecoder
+
+STEP_TOKENS = 64   # tokens per step (prefill chunk)
+PAGE = 16          # positions per KV page
+
+
+@dataclass
+class Event:
+    token_id: int
+    text: str
+
+
+@dataclass
+class Result:
+    token_ids: list
+    text: str
+    finish_reason: str
+    timings: dict = field(default_factory=dict)
+
+
+class DeviceState:
+    """What one device holds for this engine: per-device activations, constants and resident weights."""
+
+    def __init__(self, dev, model: Llama, rope_freqs):
+        self.dev = dev
+        self.acts = {n: dev.alloc(max(4, size * (4 if dt in ("f32", "i32") else 2)))
+                     for n, (dt, size) in model.activations().items()}
+        self.consts = {"rope_freqs": dev.alloc(rope_freqs.nbytes)}
+        dev.upload(self.consts["rope_freqs"], rope_freqs)
+        self.weights = {}   # tensor name -> [Buffer, users]
+
+    def release(self):
+        for b in list(self.acts.values()) + list(self.consts.values()):
+            self.dev.free(b)
+
+
+class UnitState:
+    """A unit's place: its device, its weight tensors there and, for layers, its KV page pool and page table."""
+
+    def __init__(self, unit, device_name):
+        self.unit, self.device = unit, device_name
+        self.kv = None          # {"k": Buffer, "v": Buffer, "ptab": Buffer}
+        self.pool = None        # PagePool
+        self.ptab_for = None    # (sequence id, pages) currently uploaded
+
+
+class Engine:
+    def __init__(self, model=None, devices=None, placement="auto", threads=None, kv_dtype="f16",
+                 max_context=None, progress=None):
+        if kv_dtype not in ("f16", "f32"):
+            raise JitllmError(f"kv_dtype must be 'f16' or 'f32', not {kv_dtype!r}")
+        self.model_path = str(model) if model is not None else default_model_path()
+        self.progress = progress or (lambda stage, done, total: None)
+        self.mf = ModelFile(self.model_path)
+        self.tokenizer = self.mf.tokenizer
+        cfg = self.config = self.mf.config
+        self.max_context = min(int(max_context or cfg.context), cfg.context)
+        self.kv_dtype = kv_dtype
+        n_pages = -(-self.max_context // PAGE)
+        self.model = Llama(self.mf, STEP_TOKENS, PAGE, n_pages, n_pages, kv_dtype)
+        self.rope_freqs = self.mf.rope_freqs()
+        self.devices = self._pick_devices(devices, threads)
+        self._lock = threading.Lock()
+        self._seq_ids = iter(range(1, 1 << 62))
+        self.sequences = {}
+        self.dev_state = {}
+        self.units = {}
+        self.segments = []
+        self.last = None
+        self.stats = {"steps": 0, "tokens": 0, "bytes_read": {}, "bytes_crossed": {}, "crossings": 0,
+                      "bytes_per_token": 0}
+        from .placement import resolve
+        layout = resolve(placement, self.model, self.devices)
+        total = len(layout)
+        for i, (unit, dev_name) in enumerate(layout.items()):
+            self.progress("loading weights", i, total)
+            self._place_unit(unit, dev_name)
+        self.progress("loading weights", total, total)
+        self._build_segments()
+
+    # ------------------------------------------------------------------ devices and placement
+    def _pick_devices(self, names, threads):
+        if names is None:
+            devs = list(registry.all_devices().values())
+            if not devs:
+                registry.device("cpu")  # raises the "no backend installed" explanation
+        else:
+            devs = [registry.device(n) for n in names]
+        if threads:
+            cpus = [d for d in devs if d.backend == "cpu"]
+            for d in cpus:
+                d.configure(threads=max(1, int(threads) // len(cpus)))
+        return {d.name: d for d in devs}
+
+    @property
+    def placement(self):
+        return {u: (s.device, "resident") for u, s in self.units.items()}
+
+    def _state(self, dev_name):
+        if dev_name not in self.dev_state:
+            self.dev_state[dev_name] = DeviceState(self.devices[dev_name], self.model, self.rope_freqs)
+        return self.dev_state[dev_name]
+
+    def _load_weights(self, unit, dev_name):
+        """Upload (or share) the unit's weights on dev_name; returns bytes uploaded."""
+        ds, moved = self._state(dev_name), 0
+        for name, (shape, as_f32) in self.model.weight_shapes(unit).items():
+            if name in ds.weights:
+                ds.weights[name][1] += 1
+                continue
+            data = self.mf.f32(name, shape) if as_f32 else self.mf.tensor(name, shape).raw()
+            if not as_f32:
+                self.model.fmt(name, shape)  # validates type and row length before any kernel reads it
+            buf = ds.dev.alloc(data.nbytes)
+            ds.dev.upload(buf, data)
+            ds.weights[name] = [buf, 1]
+            moved += data.nbytes
+        return moved
+
+    def _drop_weights(self, unit, dev_name):
+        ds = self.dev_state[dev_name]
+        for name in self.model.weight_shapes(unit):
+            entry = ds.weights[name]
+            entry[1] -= 1
+            if entry[1] == 0:
+                ds.dev.free(entry[0])
+                del ds.weights[name]
+
+    def _alloc_kv(self, dev_name):
+        dev, m = self.devices[dev_name], self.model
+        half = m.kv_bytes_per_layer() // 2
+        kv = {"k": dev.alloc(half), "v": dev.alloc(half), "ptab": dev.alloc(m.max_pages * 4)}
+        return kv
+
+    def _place_unit(self, unit, dev_name):
+        st = UnitState(unit, dev_name)
+        self._load_weights(unit, dev_name)
+        if isinstance(unit, int):
+            st.kv = self._alloc_kv(dev_name)
+            st.pool = PagePool(self.model.n_pages)
+        self.units[unit] = st
+
+    def _bind(self, unit, dev_name, kv=None):
+        """Launches of one unit with its buffer names resolved on dev_name."""
+        ds, out = self.dev_state[dev_name], []
+        kv = kv or self.units[unit].kv or {}
+        for lt in self.model.unit_launches(unit):
+            bufs = {}
+            for param, ref in lt.buffers.items():
+                kind, name = ref.split(":", 1)
+                bufs[param] = {"w": lambda n: ds.weights[n][0], "a": ds.acts.__getitem__,
+                               "c": ds.consts.__getitem__, "kv": kv.__getitem__}[kind](name)
+            out.append(Launch(lt.kernel, bufs, lt.scalars))
+        return out
+
+    def _build_segments(self):
+        """Consecutive units on one device form a segment: one program per step."""
+        segs = []
+        for unit in self.model.units:
+            d = self.units[unit].device
+            if segs and segs[-1][0] == d:
+                segs[-1][1].append(unit)
+            else:
+                segs.append((d, [unit]))
+        built = []
+        for i, (d, units) in enumerate(segs):
+            self.progress("compiling kernels", i, len(segs))
+            launches = [ln for u in units for ln in self._bind(u, d)]
+            built.append((d, units, self.devices[d].program(launches)))
+        self.progress("compiling kernels", len(segs), len(segs))
+        self.segments = built
+        self.stats["bytes_per_token"] = self._weight_bytes()
+
+    def _weight_bytes(self):
+        return sum(int(np.prod(shape)) and self._tensor_bytes(n) for u in self.model.units
+                   for n, (shape, _) in self.model.weight_shapes(u).items())
+
+    def _tensor_bytes(self, name):
+        return len(self.mf.tensors[name].raw())
+
+    # ------------------------------------------------------------------ sequences and steps
+    def new_sequence(self):
+        seq = Sequence(next(self._seq_ids))
+        self.sequences[seq.id] = seq
+        return seq
+
+    def free_sequence(self, seq):
+        with self._lock:
+            for u, pages in seq.pages.items():
+                self.units[u].pool.free(pages)
+            seq.pages.clear()
+            self.sequences.pop(seq.id, None)
+
+    def _ensure_pages(self, seq, end):
+        need = -(-end // PAGE)
+        for u, st in self.units.items():
+            if st.pool is None:
+                continue
+            pages = seq.pages.setdefault(u, [])
+            while len(pages) < need:
+                pages.append(st.pool.alloc())
+
+    def _upload_ptabs(self, seq):
+        for u, st in self.units.items():
+            if st.pool is None:
+                continue
+            key = (seq.id, len(seq.pages[u]), st.kv["ptab"])
+            if st.ptab_for != key:
+                self.devices[st.device].upload(st.kv["ptab"], np.asarray(seq.pages[u], np.int32))
+                st.ptab_for = key
+
+    def _step(self, seq, tokens, t0):
+        """Run tokens at positions seq.n.. through every segment; returns logits rows [t0, n). Lock held."""
+        n, pos = len(tokens), seq.n
+        if pos + n > self.max_context:
+            raise ContextLimitError(f"context limit reached: {pos + n} positions > max_context {self.max_context}")
+        if min(tokens) < 0 or max(tokens) >= self.config.vocab:
+            raise JitllmError(f"token id out of range [0, {self.config.vocab})")
+        self._ensure_pages(seq, pos + n)
+        self._upload_ptabs(seq)
+        values = {"pos": pos, "n_tokens": n, "t0": t0, "zero": 0}
+        first = self.dev_state[self.segments[0][0]]
+        first.dev.upload(first.acts["tok"], np.asarray(tokens, np.int32))
+        prev = None
+        for d, units, prog in self.segments:
+            if prev is not None and prev != d:
+                self._cross(prev, d, n * self.config.dim * 4)
+            prog.run(values)
+            prev = d
+        last = self.dev_state[prev]
+        rows = n - t0
+        V = self.config.vocab
+        logits = last.dev.download(last.acts["logits"], rows * V * 4, t0 * V * 4).view(np.float32).reshape(rows, V)
+        seq.n += n
+        self._count(pos, n)
+        return logits
+
+    def _cross(self, src, dst, nbytes):
+        a, b = self.dev_state[src].acts["x"], self.dev_state[dst].acts["x"]
+        registry.copy(a, 0, b, 0, nbytes)
+        key = f"{src}->{dst}"
+        self.stats["bytes_crossed"][key] = self.stats["bytes_crossed"].get(key, 0) + nbytes
+        self.stats["crossings"] += 1
+
+    def _count(self, pos, n):
+        s, c = self.stats, self.config
+        s["steps"] += 1
+        s["tokens"] += n
+        kv_row = c.n_kv * c.head_dim * (2 if self.kv_dtype == "f16" else 4) * 2
+        for u, st in self.units.items():
+            b = sum(self._tensor_bytes(t) for t in self.model.weight_shapes(u))
+            if st.pool is not None:
+                b += kv_row * (pos + n)
+            s["bytes_read"][st.device] = s["bytes_read"].get(st.device, 0) + b
+
+    # ------------------------------------------------------------------ public API
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        from .chat import render_chat
+        tok = self.tokenizer
+        return render_chat(tok.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                           bos_token=tok.bos_token or "", eos_token=tok.eos_token or "")
+
+    def _encode(self, prompt):
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        ids = [int(i) for i in prompt]
+        bad = [i for i in ids if not 0 <= i < self.config.vocab]
+        if bad:
+            raise JitllmError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab})")
+        return ids
+
+    def score(self, token_ids):
+        """Teacher-forced logits for every position: shape (len, vocab), float32."""
+        ids = self._encode(token_ids)
+        if not ids:
+            raise JitllmError("score needs at least one token")
+        seq = self.new_sequence()
+        try:
+            out = []
+            for i in range(0, len(ids), STEP_TOKENS):
+                with self._lock:
+                    out.append(self._step(seq, ids[i:i + STEP_TOKENS], 0).copy())
+            return np.concatenate(out)
+        finally:
+            self.free_sequence(seq)
+
+    def generate(self, prompt, max_tokens=256, temperature=0.0, top_k=0, top_p=1.0, seed=None, stop=None,
+                 ignore_eos=False, stream=False):
+        it = self._generate(self._encode(prompt), max_tokens, Sampler(temperature, top_k, top_p, seed),
+                            [stop] if isinstance(stop, str) else list(stop or []), ignore_eos)
+        if stream:
+            return it
+        for _ in it:
+            pass
+        return self.last
+
+    def chat(self, messages, **kw):
+        return self.generate(self.apply_chat_template(messages), **kw)
+
+    def _generate(self, ids, max_tokens, sampler, stops, ignore_eos):
+        if not ids:
+            raise JitllmError("the prompt is empty")
+        if len(ids) >= self.max_context:
+            raise ContextLimitError(f"the prompt has {len(ids)} tokens; max_context is {self.max_context}")
+        seq = self.new_sequence()
+        out, text, emitted, reason = [], "", 0, "length"
+        dec = StreamDecoder(self.tokenizer)
+        timings = {"prompt_tokens": len(ids), "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0}
+        self.last = Result(out, "", "length", timings)
+        try:
+            t = time.perf_counter()
+            for i in range(0, len(ids), STEP_TOKENS):
+                chunk = ids[i:i + STEP_TOKENS]
+                last_chunk = i + STEP_TOKENS >= len(ids)
+                with self._lock:
+                    logits = self._step(seq, chunk, len(chunk) - 1 if last_chunk else len(chunk))
+            timings["prefill_s"] = time.perf_counter() - t
+            while len(out) < max_tokens:
+                tok = sampler(logits[-1])
+                if not ignore_eos and tok in self.tokenizer.eos_ids:
+                    reason = "eos"
+                    break
+                out.append(tok)
+                text += dec.push(tok)
+                hit = min((text.find(s) for s in stops if s in text), default=-1)
+                if hit >= 0:
+                    text, reason = text[:hit], "stop"
+                safe = len(text) if hit >= 0 else len(text) - _held_back(text, stops)
+                self.last.text = text
+                if safe > emitted or hit < 0:
+                    yield Event(tok, text[emitted:safe])
+                    emitted = safe
+                if hit >= 0 or len(out) >= max_tokens:
+                    break
+                if seq.n + 1 > self.max_context:
+                    reason = "context"
+                    break
+                t = time.perf_counter()
+                with self._lock:
+                    logits = self._step(seq, [tok], 0)
+                timings["decode_s"] += time.perf_counter() - t
+                timings["decode_tokens"] += 1
+            if reason != "stop":
+                text += dec.flush()
+        finally:
+            self.last.text, self.last.finish_reason = text, reason
+            self.free_sequence(seq)
+
+    def close(self):
+        with self._lock:
+            for st in self.units.values():
+                if st.kv:
+                    for b in st.kv.values():
+                        self.devices[st.device].free(b)
+            for ds in self.dev_state.values():
+                for buf, _ in ds.weights.values():
+                    ds.dev.free(buf)
+                ds.release()
+            self.units, self.dev_state, self.segments = {}, {}, []
+
+
+def _held_back(text, stops):
+    """Length of the longest suffix of text that could still grow into a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                best = max(best, k)
+                break
+    return best

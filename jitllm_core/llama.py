@@ -1,0 +1,285 @@
+"""Llama-family models (Llama 2/3, SmolLM2, Qwen2-style): config, weight table, and the kernels of each unit.
+
+Units: "embed", layers 0..n-1, "head" (final norm + LM head). A unit is a list of Launch templates: a kernel
+and, per buffer parameter, the name of a weight ("w:blk.3.attn_q"), a per-device activation ("a:x"), or a
+per-layer KV / page-table buffer ("kv:k"). The runtime binds names to buffers on the unit's device.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import ops
+from .errors import ModelFileError
+from .quant import get_format
+
+
+@dataclass
+class Config:
+    n_layer: int
+    dim: int
+    n_head: int
+    n_kv: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    eps: float
+    rope_base: float
+    context: int
+    bias: bool = False
+    rope_scaling: dict = field(default_factory=dict)
+
+
+@dataclass
+class Tensor:
+    name: str
+    shape: tuple
+    type_name: str
+    raw: callable  # -> uint8 array of the tensor's bytes (a view of the mapped file)
+
+
+class ModelFile:
+    """A GGUF file or an HF safetensors folder, seen through GGUF tensor names."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        if self.path.is_dir():
+            self._open_hf()
+        elif self.path.exists():
+            self._open_gguf()
+        else:
+            raise ModelFileError(self.path, "no such file or folder")
+
+    # -- GGUF
+    def _open_gguf(self):
+        from .gguf import GGUFFile
+        from .tokenizer import Tokenizer
+        g = self.gguf = GGUFFile(self.path)
+        arch = g.get("general.architecture")
+        if arch not in ("llama", "qwen2"):
+            raise ModelFileError(self.path, f"architecture {arch!r} is not supported (llama, qwen2)")
+        p = lambda key, *d: g.get(f"{arch}.{key}", *d)
+        n_head = int(p("attention.head_count"))
+        dim = int(p("embedding_length"))
+        emb = g.tensors.get("token_embd.weight")
+        if emb is None:
+            raise ModelFileError(self.path, "missing tensor 'token_embd.weight'")
+        self.config = Config(
+            n_layer=int(p("block_count")), dim=dim, n_head=n_head,
+            n_kv=int(p("attention.head_count_kv", n_head)),
+            head_dim=int(p("rope.dimension_count", dim // n_head)), ffn=int(p("feed_forward_length")),
+            vocab=int(emb.shape[0]), eps=float(p("attention.layer_norm_rms_epsilon")),
+            rope_base=float(p("rope.freq_base", 10000.0)), context=int(p("context_length")),
+            bias=arch == "qwen2")
+        self.tensors = {n: Tensor(n, t.shape, t.type_name, (lambda n=n: g.raw(n))) for n, t in g.tensors.items()}
+        self.tokenizer = Tokenizer.from_gguf(g)
+
+    # -- HF safetensors folder
+    HF_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}
+
+    def _open_hf(self):
+        from .safetensors import SafetensorsFolder
+        from .tokenizer import Tokenizer
+        st = SafetensorsFolder(self.path)
+        c = st.config
+        where = self.path / "config.json"
+
+        def need(key):
+            if key not in c:
+                raise ModelFileError(where, f"missing key {key!r}")
+            return c[key]
+        if need("model_type") not in ("llama", "qwen2", "mistral"):
+            raise ModelFileError(where, f"model_type {c['model_type']!r} is not supported")
+        n_head = int(need("num_attention_heads"))
+        self.config = Config(
+            n_layer=int(need("num_hidden_layers")), dim=int(need("hidden_size")), n_head=n_head,
+            n_kv=int(c.get("num_key_value_heads", n_head)),
+            head_dim=int(c.get("head_dim") or need("hidden_size") // n_head), ffn=int(need("intermediate_size")),
+            vocab=int(need("vocab_size")), eps=float(need("rms_norm_eps")), rope_base=float(c.get("rope_theta", 1e4)),
+            context=int(c.get("max_position_embeddings", 4096)), bias=c["model_type"] == "qwen2",
+            rope_scaling=c.get("rope_scaling") or {})
+        cfg = self.config
+        self.tensors = {}
+
+        def add(gguf_name, hf_name, permute_heads=0):
+            t = st.tensors.get(hf_name)
+            if t is None:
+                return
+            raw = lambda t=t: st.raw(t.name)
+            if permute_heads:  # HF rotates halves; our rope rotates adjacent pairs, as GGUF stores Q and K
+                raw = lambda t=t, h=permute_heads: _permute_rows(st.raw(t.name), t, h)
+            self.tensors[gguf_name] = Tensor(gguf_name, t.shape, t.type_name, raw)
+        add("token_embd.weight", "model.embed_tokens.weight")
+        add("output_norm.weight", "model.norm.weight")
+        add("output.weight", "lm_head.weight")
+        for i in range(cfg.n_layer):
+            for g, h in self.HF_NAMES.items():
+                heads = {"attn_q": cfg.n_head, "attn_k": cfg.n_kv}.get(g, 0)
+                add(f"blk.{i}.{g}.weight", f"model.layers.{i}.{h}.weight", heads)
+                if cfg.bias and g in ("attn_q", "attn_k", "attn_v"):
+                    add(f"blk.{i}.{g}.bias", f"model.layers.{i}.{h}.bias", heads)
+        self.tokenizer = Tokenizer.from_hf_folder(self.path)
+
+    # -- shared
+    def tensor(self, name, shape):
+        t = self.tensors.get(name)
+        if t is None:
+            raise ModelFileError(self.path, f"missing tensor {name!r}")
+        if tuple(t.shape) != tuple(shape):
+            raise ModelFileError(self.path, f"tensor {name!r} has shape {tuple(t.shape)}, the architecture needs "
+                                            f"{tuple(shape)}")
+        return t
+
+    def f32(self, name, shape):
+        """A small tensor (norm weight, bias) as f32."""
+        t = self.tensor(name, shape)
+        raw = t.raw()
+        if t.type_name == "F32":
+            return np.frombuffer(raw, np.float32).copy()
+        if t.type_name == "F16":
+            return np.frombuffer(raw, np.float16).astype(np.float32)
+        if t.type_name == "BF16":
+            return (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
+        raise ModelFileError(self.path, f"tensor {name!r} has type {t.type_name}; a float type is needed here")
+
+    def rope_freqs(self):
+        """Per-pair inverse frequencies, with Llama-3 scaling applied when the model carries it."""
+        cfg = self.config
+        half = cfg.head_dim // 2
+        inv = 1.0 / (cfg.rope_base ** (np.arange(0, cfg.head_dim, 2, dtype=np.float32) / cfg.head_dim))
+        if "rope_freqs.weight" in self.tensors:
+            inv = inv / self.f32("rope_freqs.weight", (half,))
+        elif cfg.rope_scaling.get("rope_type") == "llama3":
+            inv = _llama3_scaling(inv, cfg.rope_scaling)
+        return inv.astype(np.float32)
+
+
+def _permute_rows(raw, t, n_heads):
+    rows, cols = t.shape
+    hd = rows // n_heads
+    a = raw.reshape(n_heads, 2, hd // 2, -1)
+    return np.ascontiguousarray(a.swapaxes(1, 2)).reshape(-1)
+
+
+def _llama3_scaling(inv, s):
+    factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old = s.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / inv
+    smooth = (old / wavelen - lo) / (hi - lo)
+    scaled = np.where(wavelen > old / lo, inv / factor, inv)
+    mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+    return np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+
+
+@dataclass
+class LaunchTemplate:
+    kernel: object
+    buffers: dict          # param -> "w:<tensor>" | "a:<activation>" | "kv:k" | "kv:v" | "kv:ptab" | "c:<const>"
+    scalars: dict = field(default_factory=dict)
+
+
+class Llama:
+    """Kernels and buffer bindings for every unit of one model at one step size."""
+
+    def __init__(self, mf: ModelFile, T: int, page: int, n_pages: int, max_pages: int, kv_dtype: str):
+        self.mf, self.cfg, self.T = mf, mf.config, T
+        self.page, self.n_pages, self.max_pages, self.kv_dtype = page, n_pages, max_pages, kv_dtype
+        cfg = self.cfg
+        if cfg.n_head % cfg.n_kv or cfg.head_dim % 2:
+            raise ModelFileError(mf.path, f"unsupported head layout ({cfg.n_head} heads, {cfg.n_kv} kv heads, "
+                                          f"head size {cfg.head_dim})")
+        self.units = ["embed"] + list(range(cfg.n_layer)) + ["head"]
+        self.head_tensor = "output.weight" if "output.weight" in mf.tensors else "token_embd.weight"
+
+    # -- sizes of the per-device activations
+    def activations(self):
+        c, T = self.cfg, self.T
+        q, kv = c.n_head * c.head_dim, c.n_kv * c.head_dim
+        return {"tok": ("i32", T), "x": ("f32", T * c.dim), "xn": ("f32", T * c.dim), "q": ("f32", T * q),
+                "k": ("f32", T * kv), "v": ("f32", T * kv), "att": ("f32", T * q), "g": ("f32", T * c.ffn),
+                "u": ("f32", T * c.ffn), "h": ("f32", T * c.ffn), "logits": ("f32", T * c.vocab)}
+
+    def weight_shapes(self, unit):
+        """tensor name -> (shape, True if read as f32 constant data rather than by a matmul)"""
+        c = self.cfg
+        if unit == "embed":
+            return {"token_embd.weight": ((c.vocab, c.dim), False)}
+        if unit == "head":
+            return {"output_norm.weight": ((c.dim,), True), self.head_tensor: ((c.vocab, c.dim), False)}
+        p, q, kv = f"blk.{unit}.", c.n_head * c.head_dim, c.n_kv * c.head_dim
+        w = {p + "attn_norm.weight": ((c.dim,), True), p + "attn_q.weight": ((q, c.dim), False),
+             p + "attn_k.weight": ((kv, c.dim), False), p + "attn_v.weight": ((kv, c.dim), False),
+             p + "attn_output.weight": ((c.dim, q), False), p + "ffn_norm.weight": ((c.dim,), True),
+             p + "ffn_gate.weight": ((c.ffn, c.dim), False), p + "ffn_up.weight": ((c.ffn, c.dim), False),
+             p + "ffn_down.weight": ((c.dim, c.ffn), False)}
+        if c.bias:
+            w.update({p + "attn_q.bias": ((q,), True), p + "attn_k.bias": ((kv,), True),
+                      p + "attn_v.bias": ((kv,), True)})
+        return w
+
+    def fmt(self, name, shape):
+        t = self.mf.tensor(name, shape)
+        return get_format(t.type_name, shape[-1], f"{self.mf.path}: tensor {name!r}")
+
+    def _mm(self, name, x, y, rows, cols, acc=False, bias=None, logits=False):
+        """A matmul launch; only the LM head starts at the step's `t0`, layers need every token."""
+        fmt = self.fmt(name, (rows, cols))
+        k = ops.matmul(fmt, rows, cols, self.T, accumulate=acc, bias=bias is not None)
+        bufs = {"w": f"w:{name}", "x": f"a:{x}", "y": f"a:{y}"}
+        if bias:
+            bufs["b"] = f"w:{bias}"
+        return LaunchTemplate(k, bufs, {} if logits else {"t0": "zero"})
+
+    def unit_launches(self, unit):
+        c, T = self.cfg, self.T
+        if unit == "embed":
+            fmt = self.fmt("token_embd.weight", (c.vocab, c.dim))
+            return [LaunchTemplate(ops.embed(fmt, c.vocab, c.dim, T),
+                                   {"tok": "a:tok", "w": "w:token_embd.weight", "x": "a:x"})]
+        if unit == "head":
+            return [LaunchTemplate(ops.rmsnorm(c.dim, T, c.eps), {"x": "a:x", "w": "w:output_norm.weight", "out": "a:xn"}),
+                    self._mm(self.head_tensor, "xn", "logits", c.vocab, c.dim, logits=True)]
+        p, q, kv = f"blk.{unit}.", c.n_head * c.head_dim, c.n_kv * c.head_dim
+        b = (lambda n: p + n + ".bias") if c.bias else (lambda n: None)
+        cache = dict(page=self.page, n_pages=self.n_pages, max_pages=self.max_pages, kv_dtype=self.kv_dtype)
+        kvb = {"ptab": "kv:ptab", "kc": "kv:k", "vc": "kv:v"}
+        return [
+            LaunchTemplate(ops.rmsnorm(c.dim, T, c.eps), {"x": "a:x", "w": f"w:{p}attn_norm.weight", "out": "a:xn"}),
+            self._mm(p + "attn_q.weight", "xn", "q", q, c.dim, bias=b("attn_q")),
+            self._mm(p + "attn_k.weight", "xn", "k", kv, c.dim, bias=b("attn_k")),
+            self._mm(p + "attn_v.weight", "xn", "v", kv, c.dim, bias=b("attn_v")),
+            LaunchTemplate(ops.rope(c.n_head, c.head_dim, T), {"q": "a:q", "freq": "c:rope_freqs"}),
+            LaunchTemplate(ops.rope(c.n_kv, c.head_dim, T), {"q": "a:k", "freq": "c:rope_freqs"}),
+            LaunchTemplate(ops.kv_store(c.n_kv, c.head_dim, T, **cache), {"k": "a:k", "v": "a:v", **kvb}),
+            LaunchTemplate(ops.attention(c.n_head, c.n_kv, c.head_dim, T, **cache), {"q": "a:q", "out": "a:att", **kvb}),
+            self._mm(p + "attn_output.weight", "att", "x", c.dim, q, acc=True),
+            LaunchTemplate(ops.rmsnorm(c.dim, T, c.eps), {"x": "a:x", "w": f"w:{p}ffn_norm.weight", "out": "a:xn"}),
+            self._mm(p + "ffn_gate.weight", "xn", "g", c.ffn, c.dim),
+            self._mm(p + "ffn_up.weight", "xn", "u", c.ffn, c.dim),
+            LaunchTemplate(ops.silu_mul(c.ffn, T), {"g": "a:g", "u": "a:u", "h": "a:h"}),
+            self._mm(p + "ffn_down.weight", "h", "x", c.dim, c.ffn, acc=True),
+        ]
+
+    def kv_bytes_per_layer(self):
+        c = self.cfg
+        el = 2 if self.kv_dtype == "f16" else 4
+        return 2 * self.n_pages * self.page * c.n_kv * c.head_dim * el
+
+
+def model_kernels(path, T=64, page=16, context=None, kv_dtype="f16"):
+    """Every distinct kernel the model needs (for ahead-of-time compilation)."""
+    mf = ModelFile(path)
+    ctx = min(context or mf.config.context, 8192)
+    max_pages = -(-ctx // page)
+    m = Llama(mf, T, page, max_pages, max_pages, kv_dtype)
+    seen = {}
+    for u in m.units:
+        for lt in m.unit_launches(u):
+            seen.setdefault(lt.kernel.key(), lt.kernel)
+    return list(seen.values())

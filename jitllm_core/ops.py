@@ -1,0 +1,141 @@
+"""The model's ops, as IR builders. Each returns a finished Kernel; dimensions are baked in, `pos` (position of
+the step's first token), `n_tokens` and `t0` (first token whose logits are wanted) are per-step scalars.
+
+Activations are f32, row-major [token, feature], sized for `T` tokens per step.
+"""
+from __future__ import annotations
+
+import math
+
+from . import ir
+from .quant import Format
+
+F = ir.f32
+
+
+def embed(fmt: Format, vocab: int, dim: int, T: int) -> ir.Kernel:
+    k = ir.Kernel(f"embed_{fmt.name}_{vocab}x{dim}_T{T}")
+    k.buffer("tok", "i32", T), k.buffer("w", fmt.storage, vocab * fmt.row_units(dim))
+    k.buffer("x", "f32", T * dim, True)
+    n = k.scalar("n_tokens")
+    nb = dim // fmt.block
+    with k.parallel("tb", n * nb) as tb:
+        t, b = tb // nb, tb % nb
+        base = (k.load("tok", t) * nb + b) * fmt.unit
+        with k.loop("j", fmt.block, "vector") as j:
+            k.store("x", t * dim + b * fmt.block + j, fmt.element(k, "w", base, j))
+    return k.finish()
+
+
+def rmsnorm(dim: int, T: int, eps: float) -> ir.Kernel:
+    k = ir.Kernel(f"rmsnorm_{dim}_T{T}_{eps:g}")
+    k.buffer("x", "f32", T * dim), k.buffer("w", "f32", dim), k.buffer("out", "f32", T * dim, True)
+    n = k.scalar("n_tokens")
+    with k.parallel("t", n) as t:
+        ss = ir.reduce("add", "i", dim, lambda i: k.load("x", t * dim + i) * k.load("x", t * dim + i), "reduce")
+        r = k.let("r", ir.rsqrt(ss / float(dim) + eps))
+        with k.loop("i", dim, "vector") as i:
+            k.store("out", t * dim + i, k.load("x", t * dim + i) * r * k.load("w", i))
+    return k.finish()
+
+
+def matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=False) -> ir.Kernel:
+    """y[t, r] (+)= W[r, :] . x[t, :] (+ b[r]) for t in [t0, n_tokens); one quantized row per iteration, reused
+    across the step's tokens while it is in cache."""
+    k = ir.Kernel(f"matmul_{fmt.name}_{rows}x{cols}_T{T}{'_acc' if accumulate else ''}{'_bias' if bias else ''}")
+    k.buffer("w", fmt.storage, rows * fmt.row_units(cols)), k.buffer("x", "f32", T * cols)
+    if bias:
+        k.buffer("b", "f32", rows)
+    k.buffer("y", "f32", T * rows, True)
+    n, t0 = k.scalar("n_tokens"), k.scalar("t0")
+    with k.parallel("r", rows) as r:
+        with k.loop("t", n - t0, "serial", start=t0) as t:
+            v = fmt.row_dot(k, "w", r, cols, lambda c: k.load("x", t * cols + c))
+            if bias:
+                v = v + k.load("b", r)
+            if accumulate:
+                v = k.load("y", t * rows + r) + v
+            k.store("y", t * rows + r, v)
+    return k.finish()
+
+
+def rope(n_heads: int, head_dim: int, T: int) -> ir.Kernel:
+    """Rotate adjacent pairs (x[2i], x[2i+1]) by (pos + t) * freq[i] (GGUF llama layout)."""
+    half = head_dim // 2
+    k = ir.Kernel(f"rope_{n_heads}x{head_dim}_T{T}")
+    k.buffer("q", "f32", T * n_heads * head_dim, True), k.buffer("freq", "f32", half)
+    pos, n = k.scalar("pos"), k.scalar("n_tokens")
+    with k.parallel("idx", n * (n_heads * half)) as idx:
+        t, rest = idx // (n_heads * half), idx % (n_heads * half)
+        i = rest % half
+        base = t * (n_heads * head_dim) + rest // half * head_dim + 2 * i
+        ang = k.let("ang", F(pos + t) * k.load("freq", i))
+        c, s = k.let("c", ir.cos(ang)), k.let("s", ir.sin(ang))
+        x0, x1 = k.let("x0", k.load("q", base)), k.let("x1", k.load("q", base + 1))
+        k.store("q", base, x0 * c - x1 * s)
+        k.store("q", base + 1, x0 * s + x1 * c)
+    return k.finish()
+
+
+def _kv_index(k, j, kvh, n_kv, head_dim, page):
+    """Element index of position j, kv head kvh in a layer's page pool [pages, page, n_kv, head_dim]."""
+    return ((k.load("ptab", j // page) * page + j % page) * n_kv + kvh) * head_dim
+
+
+def kv_store(n_kv: int, head_dim: int, T: int, page: int, n_pages: int, max_pages: int, kv_dtype: str) -> ir.Kernel:
+    k = ir.Kernel(f"kvstore_{n_kv}x{head_dim}_T{T}_p{page}x{n_pages}_{kv_dtype}")
+    width = n_kv * head_dim
+    k.buffer("k", "f32", T * width), k.buffer("v", "f32", T * width), k.buffer("ptab", "i32", max_pages)
+    k.buffer("kc", kv_dtype, n_pages * page * width, True), k.buffer("vc", kv_dtype, n_pages * page * width, True)
+    pos, n = k.scalar("pos"), k.scalar("n_tokens")
+    with k.parallel("th", n * n_kv) as th:
+        t, h = th // n_kv, th % n_kv
+        dst = _kv_index(k, pos + t, h, n_kv, head_dim, page)
+        with k.loop("d", head_dim, "vector") as d:
+            k.store("kc", dst + d, k.load("k", t * width + h * head_dim + d))
+            k.store("vc", dst + d, k.load("v", t * width + h * head_dim + d))
+    return k.finish()
+
+
+def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages: int, max_pages: int,
+              kv_dtype: str) -> ir.Kernel:
+    """Causal attention of each new token over the layer's paged KV cache, one pass with an online softmax."""
+    k = ir.Kernel(f"attn_{n_head}_{n_kv}x{head_dim}_T{T}_p{page}x{n_pages}_{kv_dtype}")
+    qw, kw = n_head * head_dim, n_kv * head_dim
+    k.buffer("q", "f32", T * qw), k.buffer("ptab", "i32", max_pages)
+    k.buffer("kc", kv_dtype, n_pages * page * kw), k.buffer("vc", kv_dtype, n_pages * page * kw)
+    k.buffer("out", "f32", T * qw, True)
+    pos, n = k.scalar("pos"), k.scalar("n_tokens")
+    scale = 1.0 / math.sqrt(head_dim)
+    group = n_head // n_kv
+    with k.parallel("th", n * n_head) as th:
+        t, h = th // n_head, th % n_head
+        qo = t * qw + h * head_dim
+        m, l = k.local("m", float("-inf")), k.local("l", 0.0)
+        with k.loop("d", head_dim, "vector") as d:
+            k.store("out", qo + d, 0.0)
+        with k.loop("j", pos + t + 1, "serial") as j:
+            kv = k.let("kv", _kv_index(k, j, h // group, n_kv, head_dim, page))
+            s = k.let("s", ir.reduce("add", "d", head_dim,
+                                     lambda d: k.load("q", qo + d) * k.load("kc", kv + d), "reduce") * scale)
+            mn = k.let("mn", ir.vmax(m, s))
+            corr, p = k.let("corr", ir.exp(m - mn)), k.let("p", ir.exp(s - mn))
+            k.assign(l, l * corr + p)
+            k.assign(m, mn)
+            with k.loop("d", head_dim, "vector") as d:
+                k.store("out", qo + d, k.load("out", qo + d) * corr + p * k.load("vc", kv + d))
+        inv = k.let("inv", 1.0 / l)
+        with k.loop("d", head_dim, "vector") as d:
+            k.store("out", qo + d, k.load("out", qo + d) * inv)
+    return k.finish()
+
+
+def silu_mul(dim: int, T: int) -> ir.Kernel:
+    k = ir.Kernel(f"silu_mul_{dim}_T{T}")
+    k.buffer("g", "f32", T * dim), k.buffer("u", "f32", T * dim), k.buffer("h", "f32", T * dim, True)
+    n = k.scalar("n_tokens")
+    with k.parallel("t", n) as t:
+        with k.loop("i", dim, "vector") as i:
+            g = k.load("g", t * dim + i)
+            k.store("h", t * dim + i, g / (ir.exp(-g) + 1.0) * k.load("u", t * dim + i))
+    return k.finish()

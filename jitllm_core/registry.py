@@ -1,0 +1,114 @@
+"""Finds backend plugins (entry-point group `jitllm.backends`), probes their devices, and picks transfer paths.
+
+A plugin that fails to import or probe is recorded with its reason and skipped. JITLLM_PLUGINS=a,b restricts
+which entry points load.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import threading
+import traceback
+from dataclasses import dataclass
+
+from .errors import BackendError, JitllmError
+from .plugin import BackendUnavailable, HostStaged, plugin_manager
+
+_lock = threading.Lock()
+_state = None
+
+
+@dataclass
+class DeviceInfo:
+    name: str
+    backend: str
+    memory_bytes: int
+    status: str
+    detail: str
+
+
+def _load():
+    pm = plugin_manager()
+    wanted = {p.strip() for p in os.environ.get("JITLLM_PLUGINS", "").split(",") if p.strip()}
+    status, devices, paths = [], {}, []
+    for ep in sorted(importlib.metadata.entry_points(group="jitllm.backends"), key=lambda e: e.name):
+        if wanted and ep.name not in wanted:
+            continue
+        try:
+            pm.register(ep.load(), name=ep.name)
+        except Exception as e:  # a broken plugin must not take the engine down
+            status.append(dict(name=ep.name, status="failed", reason=f"import failed: {e!r}", devices=[], backend=None))
+            continue
+    for backends in pm.hook.jitllm_backends():
+        for be in backends:
+            try:
+                devs = be.probe()
+                status.append(dict(name=be.name, status="ok", reason="", devices=devs, backend=be))
+                devices.update({d.name: d for d in devs})
+            except BackendUnavailable as e:
+                status.append(dict(name=be.name, status="unavailable", reason=str(e), devices=[], backend=be))
+            except Exception as e:
+                reason = f"probe failed: {e!r} ({traceback.format_exc(limit=1).strip().splitlines()[-1]})"
+                status.append(dict(name=be.name, status="failed", reason=reason, devices=[], backend=be))
+    for ps in pm.hook.jitllm_transfer_paths():
+        paths.extend(ps)
+    paths.append(HostStaged())
+    return status, devices, sorted(paths, key=lambda p: p.priority)
+
+
+def _get():
+    global _state
+    with _lock:
+        if _state is None:
+            _state = _load()
+        return _state
+
+
+def backend_status():
+    return _get()[0]
+
+
+def all_devices() -> dict:
+    return _get()[1]
+
+
+def devices():
+    out = []
+    for st in backend_status():
+        for d in st["devices"]:
+            out.append(DeviceInfo(d.name, st["name"], d.caps.memory_bytes, "ok", d.describe()))
+        if not st["devices"]:
+            out.append(DeviceInfo(f"{st['name']}:-", st["name"], 0, st["status"], st["reason"]))
+    return out
+
+
+def device(name):
+    devs = all_devices()
+    if name in devs:
+        return devs[name]
+    alias = {"cpu": "cpu:0", "cpu:0": "cpu"}.get(name)
+    if alias in devs:
+        return devs[alias]
+    if not devs:
+        raise JitllmError("no backend is installed or none found a device; install one, e.g. "
+                          "`pip install jitllm-cpu-llvm` (from the repository: `pip install ./plugins/cpu_llvm`); "
+                          "`jitllm devices` shows what was found")
+    why = "; ".join(f"{s['name']}: {s['reason']}" for s in backend_status() if s["status"] != "ok")
+    raise JitllmError(f"no device named {name!r} (available: {', '.join(devs)}){'; ' + why if why else ''}")
+
+
+def transfer_paths(src, dst):
+    """Paths that can copy src -> dst, cheapest first."""
+    return [p for p in _get()[2] if p.supports(src, dst)]
+
+
+def copy(src_buf, src_off, dst_buf, dst_off, nbytes, paths=None):
+    """Copy through the cheapest path, falling down the chain when one fails; returns the mechanism used."""
+    errors = []
+    for p in paths or transfer_paths(src_buf.device, dst_buf.device):
+        try:
+            p.copy(src_buf, src_off, dst_buf, dst_off, nbytes)
+            return p.mechanism
+        except Exception as e:
+            errors.append(f"{p.mechanism}: {e}")
+    raise BackendError(f"copy {src_buf.device.name} -> {dst_buf.device.name} failed: {'; '.join(errors)}")

