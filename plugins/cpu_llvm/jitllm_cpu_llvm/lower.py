@@ -103,8 +103,12 @@ class KernelLowering:
     def alloca(self, ty):
         return self.alloca_b.alloca(ty)
 
-    def intrinsic(self, name, ty, nargs=1):
-        return self.module.declare_intrinsic(name, [ty], L.FunctionType(ty, [ty] * nargs))
+    def intrinsic(self, name, ty, nargs=1, ret=None):
+        """Declare llvm.<op>.<type> (llvmlite cannot mangle vector types itself)."""
+        mangle = lambda t: f"v{t.count}{t.element.intrinsic_name}" if isinstance(t, L.VectorType) else t.intrinsic_name
+        full = f"{name}.{mangle(ret)}.{mangle(ty)}" if ret else f"{name}.{mangle(ty)}"
+        fn = self.module.globals.get(full)
+        return fn or L.Function(self.module, L.FunctionType(ret or ty, [ty] * nargs), name=full)
 
     def loop(self, start, end, body, step=1):
         """for (i = start; i < end; i += step) body(i)"""
@@ -333,8 +337,7 @@ class KernelLowering:
         if dst == "i32":
             if src == "bool":
                 return b.zext(x, ty(I32))
-            fn = self.module.declare_intrinsic("llvm.fptosi.sat", [ty(I32), ty(F32)], L.FunctionType(ty(I32), [ty(F32)]))
-            return b.call(fn, [x])
+            return b.call(self.intrinsic("llvm.fptosi.sat", x.type, ret=ty(I32)), [x])
         return self.binop("ne", x, self.splat_like(x, COMPUTE[src], 0), src)
 
     # ------------------------------------------------------------------ reductions

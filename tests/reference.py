@@ -1,0 +1,32 @@
+"""Independent reference: HF transformers loading the same GGUF (dequantized to fp32)."""
+import functools
+import os
+
+import numpy as np
+import pytest
+
+
+@functools.lru_cache(maxsize=2)
+def transformers_model(path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    torch.set_num_threads(os.cpu_count() or 1)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), torch_dtype=torch.float32).eval()
+
+
+def reference_logits(path, ids):
+    import torch
+    with torch.no_grad():
+        return transformers_model(path)(torch.tensor([ids])).logits[0].numpy()
+
+
+def agreeing_prefix(ref_logits, got_tokens, start, margin=0.05):
+    """Number of greedy tokens that must match: up to the first position whose reference top-2 margin is small."""
+    for i, tok in enumerate(got_tokens):
+        row = ref_logits[start + i]
+        top2 = np.sort(row)[-2:]
+        if top2[1] - top2[0] <= margin:
+            return i
+    return len(got_tokens)

@@ -1,0 +1,112 @@
+"""The IR interpreter against plain NumPy, and every IR construct and op on cpu_llvm against the interpreter."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backend_check import assert_matches_interpreter
+from ir_cases import CASES, inputs_for
+from jitllm_core import interp, ir, ops, quant
+
+
+def matvec_kernel(rows, cols, kind):
+    k = ir.Kernel(f"mv_{rows}x{cols}_{kind}")
+    k.buffer("w", "f32", rows * cols), k.buffer("x", "f32", cols), k.buffer("y", "f32", rows, True)
+    with k.parallel("r", rows) as r:
+        k.store("y", r, ir.reduce("add", "c", cols, lambda c: k.load("w", r * cols + c) * k.load("x", c), kind))
+    return k.finish()
+
+
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(1, 9), cols=st.integers(1, 40), kind=st.sampled_from(ir.REDUCE_KINDS))
+def test_interpreter_matches_numpy(rows, cols, kind):
+    rng = np.random.default_rng(rows * 100 + cols)
+    w, x = rng.standard_normal(rows * cols).astype(np.float32), rng.standard_normal(cols).astype(np.float32)
+    y = interp.run(matvec_kernel(rows, cols, kind), {"w": w, "x": x, "y": np.zeros(rows, np.float32)})["y"]
+    np.testing.assert_allclose(y, w.reshape(rows, cols) @ x, rtol=1e-5, atol=1e-5)
+
+
+def test_interpreter_storage_rounding():
+    k = ir.Kernel("round")
+    k.buffer("x", "f32", 4), k.buffer("h", "f16", 4, True), k.buffer("b", "bf16", 4, True)
+    with k.parallel("i", 4) as i:
+        k.store("h", i, k.load("x", i))
+        k.store("b", i, k.load("x", i))
+    x = np.array([1 / 3, -2.5e-3, 65519.0, 1e-8], np.float32)
+    out = interp.run(k.finish(), {"x": x, "h": np.zeros(4, np.float16), "b": np.zeros(4, np.uint16)})
+    np.testing.assert_array_equal(out["h"], x.astype(np.float16))
+    torch = pytest.importorskip("torch")  # an independent round-to-nearest-even bf16 conversion
+    np.testing.assert_array_equal(interp.bf16_to_f32(out["b"]), torch.tensor(x).to(torch.bfloat16).float().numpy())
+
+
+def test_ir_rejects_malformed_kernels():
+    k = ir.Kernel("bad")
+    k.buffer("x", "f32", 4)
+    with k.parallel("i", 4) as i:
+        k.store("x", i, 1.0)
+    with pytest.raises(ir.IRError, match="read-only"):
+        k.finish()
+    k = ir.Kernel("bad2")
+    k.buffer("x", "f32", 4, True)
+    with k.parallel("i", 4) as i:
+        with k.parallel("j", 2):
+            k.store("x", i, 1.0)
+    with pytest.raises(ir.IRError, match="top level"):
+        k.finish()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cpu_matches_interpreter(cpu, case):
+    build, scalars = CASES[case]
+    k = build()
+    assert_matches_interpreter(cpu, k, inputs_for(k), scalars)
+
+
+@settings(max_examples=10, deadline=None)
+@given(rows=st.integers(1, 13), cols=st.integers(1, 70), kind=st.sampled_from(ir.REDUCE_KINDS))
+def test_cpu_matvec_random_shapes(cpu, rows, cols, kind):
+    k = matvec_kernel(rows, cols, kind)
+    assert_matches_interpreter(cpu, k, inputs_for(k, seed=rows + cols), {})
+
+
+def op_examples():
+    """Small instances of every model op, with scalars."""
+    T, page, n_pages = 3, 4, 6
+    return {
+        "embed": (ops.embed(quant.FORMATS["Q8_0"], 5, 64, T), {"n_tokens": 2}),
+        "rmsnorm": (ops.rmsnorm(64, T, 1e-5), {"n_tokens": 3}),
+        "matmul_q4_1": (ops.matmul(quant.FORMATS["Q4_1"], 5, 64, T, accumulate=True, bias=True), {"n_tokens": 3, "t0": 1}),
+        "matmul_q4_k": (ops.matmul(quant.FORMATS["Q4_K"], 3, 256, T), {"n_tokens": 2, "t0": 0}),
+        "matmul_q6_k": (ops.matmul(quant.FORMATS["Q6_K"], 3, 256, T), {"n_tokens": 2, "t0": 0}),
+        "rope": (ops.rope(3, 8, T), {"pos": 5, "n_tokens": 3}),
+        "kv_store_f16": (ops.kv_store(2, 8, T, page, n_pages, n_pages, "f16"), {"pos": 5, "n_tokens": 3}),
+        "attention_f32": (ops.attention(4, 2, 8, T, page, n_pages, n_pages, "f32"), {"pos": 5, "n_tokens": 3}),
+        "attention_f16": (ops.attention(4, 2, 8, T, page, n_pages, n_pages, "f16"), {"pos": 2, "n_tokens": 2}),
+        "silu_mul": (ops.silu_mul(16, T), {"n_tokens": 2}),
+    }
+
+
+def op_inputs(k):
+    """Random inputs made valid: token ids in range, a shuffled page table, finite f16 scales in blocks."""
+    bufs = inputs_for(k)
+    rng = np.random.default_rng(1)
+    if "tok" in bufs:
+        bufs["tok"] = np.array([1, 4, 2], np.int32)
+    if "ptab" in bufs:
+        bufs["ptab"] = rng.permutation(bufs["ptab"].size).astype(np.int32)
+    if k.buffers.get("w") is not None and k.buffers["w"].dtype == "u8":
+        fmt = next(f for f in quant.FORMATS.values() if f"_{f.name}_" in k.name)
+        blocks = bufs["w"].reshape(-1, fmt.unit)
+        half_offsets = {"Q8_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [208]}[fmt.name]
+        for o in half_offsets:
+            blocks[:, o:o + 2] = (rng.standard_normal(len(blocks)) * 0.01).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    for name in ("kc", "vc"):
+        if name in bufs and not k.buffers[name].write:
+            bufs[name] = rng.standard_normal(bufs[name].size).astype(bufs[name].dtype)
+    return bufs
+
+
+@pytest.mark.parametrize("op", sorted(op_examples()))
+def test_cpu_ops_match_interpreter(cpu, op):
+    k, scalars = op_examples()[op]
+    assert_matches_interpreter(cpu, k, op_inputs(k), scalars, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,82 @@
+"""SmolLM2 through the engine on the CPU against HF transformers on the same GGUF."""
+import numpy as np
+import pytest
+
+import jitllm_core as jl
+from reference import agreeing_prefix, reference_logits
+
+PROMPTS = [
+    "The history of the printing press begins in China, where woodblock printing was used for centuries before "
+    "movable type appeared in Europe.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n# Usage:\n",
+    "Ünïcödé, emoji 🚀 and numbers 12345: a model should handle all of them gracefully when it writes a story.",
+]
+
+
+@pytest.fixture(scope="module")
+def engines(cpu, default_model):
+    return {kv: jl.Engine(default_model, devices=["cpu"], kv_dtype=kv) for kv in ("f32", "f16")}
+
+
+@pytest.mark.parametrize("kv,tol", [("f32", 1e-3), ("f16", 5e-2)])
+@pytest.mark.parametrize("prompt", range(len(PROMPTS)))
+def test_score_matches_transformers(engines, default_model, kv, tol, prompt):
+    eng = engines[kv]
+    ids = eng.tokenizer.encode(PROMPTS[prompt])
+    ids = (ids * 3)[:80]  # ≥ 32 positions, more than one step of 64
+    assert len(ids) >= 32
+    got, want = eng.score(ids), reference_logits(default_model, ids)
+    assert got.shape == want.shape and got.dtype == np.float32
+    assert np.abs(got - want).max() <= tol
+
+
+@pytest.mark.parametrize("kv", ["f32", "f16"])
+def test_greedy_matches_transformers(engines, default_model, kv):
+    eng = engines[kv]
+    for prompt in PROMPTS[:2]:
+        ids = eng.tokenizer.encode(prompt)
+        out = eng.generate(ids, max_tokens=24, ignore_eos=True).token_ids
+        ref = reference_logits(default_model, ids + out)
+        n = agreeing_prefix(ref, out, len(ids) - 1)
+        assert out[:n] == list(ref[len(ids) - 1:len(ids) - 1 + n].argmax(-1))
+
+
+def test_greedy_is_deterministic(engines):
+    eng = engines["f16"]
+    runs = [eng.generate("Tell me about the moon.", max_tokens=16).token_ids for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_stream_matches_non_stream(engines):
+    eng = engines["f16"]
+    events = list(eng.generate("List three colors:", max_tokens=12, stream=True))
+    whole = eng.generate("List three colors:", max_tokens=12)
+    assert [e.token_id for e in events] == whole.token_ids
+    assert "".join(e.text for e in events) == whole.text
+
+
+def test_stop_strings_and_sampling(engines):
+    eng = engines["f16"]
+    full = eng.generate("Count: 1, 2, 3,", max_tokens=12, ignore_eos=True)
+    cut = full.text[3:6]
+    r = eng.generate("Count: 1, 2, 3,", max_tokens=12, ignore_eos=True, stop=[cut])
+    assert r.finish_reason == "stop" and r.text == full.text[:full.text.find(cut)]
+    a = eng.generate("Once upon a time", max_tokens=10, temperature=0.8, top_k=40, top_p=0.9, seed=7).token_ids
+    b = eng.generate("Once upon a time", max_tokens=10, temperature=0.8, top_k=40, top_p=0.9, seed=7).token_ids
+    assert a == b
+
+
+def test_context_limit_is_reported(default_model, cpu):
+    eng = jl.Engine(default_model, devices=["cpu"], max_context=40)
+    r = eng.generate("Write a long essay about rivers.", max_tokens=100, ignore_eos=True)
+    assert r.finish_reason == "context" and len(r.token_ids) > 0
+    with pytest.raises(jl.ContextLimitError):
+        eng.generate("word " * 60, max_tokens=5)
+
+
+def test_chat_template(engines):
+    eng = engines["f16"]
+    text = eng.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert "<|im_start|>user\nHi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+    r = eng.chat([{"role": "user", "content": "What is 2+2?"}], max_tokens=20)
+    assert "4" in r.text
