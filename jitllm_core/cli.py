@@ -114,12 +114,12 @@ class ProgressBar:
             self.file.flush()
 
 
-def open_engine(args, threads=None):
+def open_engine(args):
     from .engine import Engine
 
     bar = ProgressBar(sys.stderr) if sys.stderr.isatty() else None
     try:
-        return Engine(model=args.model, devices=args.device, threads=threads, kv_dtype=args.kv_dtype, progress=bar)
+        return Engine(model=args.model, devices=args.device, threads=args.threads, kv_dtype=args.kv_dtype, progress=bar)
     finally:
         if bar:
             bar.clear()
@@ -157,7 +157,7 @@ def cmd_run(args) -> int:
         if sys.stdin.isatty():
             raise JitllmError("no prompt: give one with -p PROMPT or on stdin")
         prompt = sys.stdin.read()
-    eng = open_engine(args, args.threads)
+    eng = open_engine(args)
     try:
         if args.chat:
             events = eng.chat([{"role": "user", "content": prompt}], stream=True, **sampling_options(args))
@@ -184,7 +184,7 @@ def summary(result) -> str:
 # ------------------------------------------------------------------------------------------------ chat
 
 def cmd_chat(args) -> int:
-    eng = open_engine(args, args.threads)
+    eng = open_engine(args)
     try:
         return ChatSession(eng, sampling_options(args)).loop()
     finally:
@@ -203,12 +203,18 @@ def parse_layers(text: str) -> list[int]:
     return layers
 
 
+def human_bytes(n) -> str:
+    for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} bytes"
+
+
 def describe_migration(report) -> str:
     if not report.ok:
         return f"move failed and was rolled back ({report.reason}); generation continued where it was"
-    mb = 1e6
-    return (f"moved: pause {report.pause_ms:.2f} ms, {report.bytes_precopied / mb:.2f} MB pre-copied, "
-            f"{report.bytes_in_pause / mb:.2f} MB in the pause, via {', '.join(map(str, report.paths)) or '-'}, "
+    return (f"moved: pause {report.pause_ms:.2f} ms, {human_bytes(report.bytes_precopied)} pre-copied, "
+            f"{human_bytes(report.bytes_in_pause)} in the pause, via {', '.join(map(str, report.paths)) or '-'}, "
             f"{report.recomputed_tokens} tokens recomputed")
 
 

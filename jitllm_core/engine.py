@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import registry
+from . import faults, registry
 from .errors import ContextLimitError, JitllmError
 from .kvcache import PagePool, Sequence
 from .llama import Llama, ModelFile
+from .memory import Arena
 from .models import default_model_path
 from .plugin import Launch
 from .sampler import Sampler
@@ -42,17 +43,23 @@ class Result:
 class DeviceState:
     """What one device holds for this engine: per-device activations, constants and resident weights."""
 
-    def __init__(self, dev, model: Llama, rope_freqs):
-        self.dev = dev
-        self.acts = {n: dev.alloc(max(4, size * (4 if dt in ("f32", "i32") else 2)))
-                     for n, (dt, size) in model.activations().items()}
-        self.consts = {"rope_freqs": dev.alloc(rope_freqs.nbytes)}
-        dev.upload(self.consts["rope_freqs"], rope_freqs)
+    def __init__(self, arena, model: Llama, rope_freqs):
+        self.arena, self.dev = arena, arena.dev
+        self.acts, self.consts = {}, {}
         self.weights = {}   # tensor name -> [Buffer, users]
+        try:
+            for n, (dt, size) in model.activations().items():
+                self.acts[n] = arena.alloc(max(4, size * (4 if dt in ("f32", "i32") else 2)))
+            self.consts["rope_freqs"] = arena.alloc(rope_freqs.nbytes)
+        except Exception:
+            self.release()
+            raise
+        self.dev.upload(self.consts["rope_freqs"], rope_freqs)
 
     def release(self):
         for b in list(self.acts.values()) + list(self.consts.values()):
-            self.dev.free(b)
+            self.arena.free(b)
+        self.acts, self.consts = {}, {}
 
 
 class UnitState:
@@ -67,7 +74,7 @@ class UnitState:
 
 class Engine:
     def __init__(self, model=None, devices=None, placement="auto", threads=None, kv_dtype="f16",
-                 max_context=None, progress=None):
+                 max_context=None, progress=None, mem=None):
         if kv_dtype not in ("f16", "f32"):
             raise JitllmError(f"kv_dtype must be 'f16' or 'f32', not {kv_dtype!r}")
         self.model_path = str(model) if model is not None else default_model_path()
@@ -81,6 +88,8 @@ class Engine:
         self.model = Llama(self.mf, STEP_TOKENS, PAGE, n_pages, n_pages, kv_dtype)
         self.rope_freqs = self.mf.rope_freqs()
         self.devices = self._pick_devices(devices, threads)
+        caps = {self._device_name(k): v for k, v in (mem or {}).items()}
+        self.arenas = {n: Arena(d, caps.get(n)) for n, d in self.devices.items()}
         self._lock = threading.Lock()
         self._seq_ids = iter(range(1, 1 << 62))
         self.sequences = {}
@@ -117,41 +126,70 @@ class Engine:
     def placement(self):
         return {u: (s.device, "resident") for u, s in self.units.items()}
 
+    def _device_name(self, name):
+        from .placement import _lookup
+        return _lookup(name, self.devices)
+
     def _state(self, dev_name):
         if dev_name not in self.dev_state:
-            self.dev_state[dev_name] = DeviceState(self.devices[dev_name], self.model, self.rope_freqs)
+            self.dev_state[dev_name] = DeviceState(self.arenas[dev_name], self.model, self.rope_freqs)
         return self.dev_state[dev_name]
 
     def _load_weights(self, unit, dev_name):
-        """Upload (or share) the unit's weights on dev_name; returns bytes uploaded."""
-        ds, moved = self._state(dev_name), 0
-        for name, (shape, as_f32) in self.model.weight_shapes(unit).items():
-            if name in ds.weights:
-                ds.weights[name][1] += 1
-                continue
-            data = self.mf.f32(name, shape) if as_f32 else self.mf.tensor(name, shape).raw()
-            if not as_f32:
-                self.model.fmt(name, shape)  # validates type and row length before any kernel reads it
-            buf = ds.dev.alloc(data.nbytes)
-            ds.dev.upload(buf, data)
-            ds.weights[name] = [buf, 1]
-            moved += data.nbytes
+        """Upload (or share) the unit's weights on dev_name; returns bytes uploaded. All or nothing."""
+        ds, moved, taken = self._state(dev_name), 0, []
+        try:
+            for name, (shape, as_f32) in self.model.weight_shapes(unit).items():
+                if name in ds.weights:
+                    ds.weights[name][1] += 1
+                    taken.append(name)
+                    continue
+                data = self.mf.f32(name, shape) if as_f32 else self.mf.tensor(name, shape).raw()
+                if not as_f32:
+                    self.model.fmt(name, shape)  # validates type and row length before any kernel reads it
+                buf = ds.arena.alloc(data.nbytes)
+                ds.weights[name] = [buf, 1]
+                taken.append(name)
+                ds.dev.upload(buf, data)
+                moved += data.nbytes
+        except Exception:
+            self._drop_weights(unit, dev_name, taken)
+            raise
         return moved
 
-    def _drop_weights(self, unit, dev_name):
+    def _drop_weights(self, unit, dev_name, names=None):
         ds = self.dev_state[dev_name]
-        for name in self.model.weight_shapes(unit):
+        for name in self.model.weight_shapes(unit) if names is None else names:
             entry = ds.weights[name]
             entry[1] -= 1
             if entry[1] == 0:
-                ds.dev.free(entry[0])
+                ds.arena.free(entry[0])
                 del ds.weights[name]
 
+    def _release_unused_states(self):
+        """Free the activations of devices that no longer hold any unit."""
+        used = {st.device for st in self.units.values()}
+        for name in [n for n in self.dev_state if n not in used]:
+            ds = self.dev_state.pop(name)
+            for buf, _ in ds.weights.values():
+                ds.arena.free(buf)
+            ds.release()
+
     def _alloc_kv(self, dev_name):
-        dev, m = self.devices[dev_name], self.model
+        arena, m = self.arenas[dev_name], self.model
         half = m.kv_bytes_per_layer() // 2
-        kv = {"k": dev.alloc(half), "v": dev.alloc(half), "ptab": dev.alloc(m.max_pages * 4)}
+        kv = {}
+        try:
+            for name, size in (("k", half), ("v", half), ("ptab", m.max_pages * 4)):
+                kv[name] = arena.alloc(size)
+        except Exception:
+            self._free_kv(dev_name, kv)
+            raise
         return kv
+
+    def _free_kv(self, dev_name, kv):
+        for b in kv.values():
+            self.arenas[dev_name].free(b)
 
     def _place_unit(self, unit, dev_name):
         st = UnitState(unit, dev_name)
@@ -174,11 +212,15 @@ class Engine:
             out.append(Launch(lt.kernel, bufs, lt.scalars))
         return out
 
-    def _build_segments(self):
-        """Consecutive units on one device form a segment: one program per step."""
+    def _layout(self):
+        return {u: st.device for u, st in self.units.items()}
+
+    def _programs(self, layout, kvs=None):
+        """One program per segment -- consecutive units on one device -- for a layout unit -> device.
+        kvs overrides the KV buffers of some units (a migration binds the target's before switching)."""
         segs = []
         for unit in self.model.units:
-            d = self.units[unit].device
+            d = layout[unit]
             if segs and segs[-1][0] == d:
                 segs[-1][1].append(unit)
             else:
@@ -186,10 +228,14 @@ class Engine:
         built = []
         for i, (d, units) in enumerate(segs):
             self.progress("compiling kernels", i, len(segs))
-            launches = [ln for u in units for ln in self._bind(u, d)]
+            faults.check("compile", d)
+            launches = [ln for u in units for ln in self._bind(u, d, (kvs or {}).get(u))]
             built.append((d, units, self.devices[d].program(launches)))
         self.progress("compiling kernels", len(segs), len(segs))
-        self.segments = built
+        return built
+
+    def _build_segments(self):
+        self.segments = self._programs(self._layout())
         self.stats["bytes_per_token"] = self._weight_bytes()
 
     def _weight_bytes(self):
@@ -367,15 +413,20 @@ class Engine:
             self.last.text, self.last.finish_reason = text, reason
             self.free_sequence(seq)
 
+    def migrate(self, layers, device, wait=True):
+        """Move units (layer indices, ranges, 'embed', 'head', or a string like '0-29') to `device` while
+        generation goes on; returns the report, or with wait=False a future whose .result() is the report."""
+        from .migration import Migration
+        return Migration(self, layers, device).start(wait)
+
     def close(self):
         with self._lock:
             for st in self.units.values():
                 if st.kv:
-                    for b in st.kv.values():
-                        self.devices[st.device].free(b)
+                    self._free_kv(st.device, st.kv)
             for ds in self.dev_state.values():
                 for buf, _ in ds.weights.values():
-                    ds.dev.free(buf)
+                    ds.arena.free(buf)
                 ds.release()
             self.units, self.dev_state, self.segments = {}, {}, []
 

@@ -1,0 +1,57 @@
+"""Per-kernel profile of one decode step: each launch is run on its own and timed, so the time of every kernel,
+its bytes and its GB/s are visible next to the whole-step time (the difference is dispatch overhead)."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .plugin import Launch
+
+
+def _median_time(fn, repeats):
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def profile_decode(eng, prompt_tokens=32, repeats=5):
+    """Rows of (unit, kernel, seconds, bytes read from weights) for one decode step at position prompt_tokens,
+    plus the whole step's time."""
+    seq = eng.new_sequence()
+    try:
+        with eng._lock:
+            eng._step(seq, list(range(1, prompt_tokens + 1)), prompt_tokens - 1)
+            values = {"pos": seq.n, "n_tokens": 1, "t0": 0, "zero": 0}
+            rows = []
+            for dev_name, units, _ in eng.segments:
+                dev = eng.devices[dev_name]
+                for u in units:
+                    for ln in eng._bind(u, dev_name):
+                        prog = dev.program([Launch(ln.kernel, ln.buffers, ln.scalars)])
+                        prog.run(values)
+                        nbytes = sum(b.nbytes for p, b in ln.buffers.items() if p in ("w",))
+                        rows.append((u, ln.kernel.name, _median_time(lambda: prog.run(values), repeats), nbytes))
+            whole = _median_time(lambda: [p.run(values) for _, _, p in eng.segments], repeats)
+        return rows, whole
+    finally:
+        eng.free_sequence(seq)
+
+
+def print_profile(rows, whole, file=None):
+    by_kernel = {}
+    for u, name, s, b in rows:
+        kind = name.split("_")[0] if not name.startswith("matmul") else "_".join(name.split("_")[:3])
+        agg = by_kernel.setdefault(kind, [0, 0.0, 0])
+        agg[0] += 1
+        agg[1] += s
+        agg[2] += b
+    total = sum(s for _, _, s, _ in rows)
+    print(f"{'kernel':32} {'calls':>5} {'ms':>8} {'share':>6} {'MB':>8} {'GB/s':>7}", file=file)
+    for kind, (n, s, b) in sorted(by_kernel.items(), key=lambda kv: -kv[1][1]):
+        print(f"{kind:32} {n:5d} {s * 1e3:8.3f} {s / total:6.1%} {b / 1e6:8.2f} {b / s / 1e9 if b else 0:7.1f}", file=file)
+    print(f"sum of kernels {total * 1e3:.3f} ms; whole step {whole * 1e3:.3f} ms; "
+          f"outside kernels {max(0.0, whole - total) * 1e3:.3f} ms", file=file)
