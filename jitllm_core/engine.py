@@ -336,20 +336,14 @@ class Engine:
             raise JitllmError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab})")
         return ids
 
+    def session(self):
+        """A sequence that stays alive between calls: `with eng.session() as s: s.feed(ids)`."""
+        return Session(self)
+
     def score(self, token_ids):
         """Teacher-forced logits for every position: shape (len, vocab), float32."""
-        ids = self._encode(token_ids)
-        if not ids:
-            raise JitllmError("score needs at least one token")
-        seq = self.new_sequence()
-        try:
-            out = []
-            for i in range(0, len(ids), STEP_TOKENS):
-                with self._lock:
-                    out.append(self._step(seq, ids[i:i + STEP_TOKENS], 0).copy())
-            return np.concatenate(out)
-        finally:
-            self.free_sequence(seq)
+        with self.session() as s:
+            return s.feed(token_ids)
 
     def generate(self, prompt, max_tokens=256, temperature=0.0, top_k=0, top_p=1.0, seed=None, stop=None,
                  ignore_eos=False, stream=False):
@@ -429,6 +423,36 @@ class Engine:
                     ds.arena.free(buf)
                 ds.release()
             self.units, self.dev_state, self.segments = {}, {}, []
+
+
+class Session:
+    """One sequence and its KV pages; feed() appends tokens and returns their logits."""
+
+    def __init__(self, eng):
+        self.eng, self.seq = eng, eng.new_sequence()
+
+    @property
+    def n(self):
+        return self.seq.n
+
+    def feed(self, token_ids):
+        ids = self.eng._encode(token_ids)
+        if not ids:
+            raise JitllmError("feed needs at least one token")
+        out = []
+        for i in range(0, len(ids), STEP_TOKENS):
+            with self.eng._lock:
+                out.append(self.eng._step(self.seq, ids[i:i + STEP_TOKENS], 0).copy())
+        return np.concatenate(out)
+
+    def close(self):
+        self.eng.free_sequence(self.seq)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def _held_back(text, stops):

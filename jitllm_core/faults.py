@@ -26,5 +26,5 @@ def check(point, device_name, nbytes=0):
         if not f or f["target"] not in ("*", device_name):
             return
         f["left"] -= nbytes
-        if f["left"] < 0:
+        if f["left"] < 0 or (nbytes == 0 and f["left"] == 0):  # a compile "passes no bytes": fires at 0
             raise BackendError(f"injected {point} fault on {device_name}")

@@ -186,7 +186,8 @@ class Migration:
                             seq.pages[u] = [self.new_pages[(seq.id, u)][p] for p in seq.pages[u]]
             eng.segments = self.programs
             r.pause_ms = (time.perf_counter() - t) * 1e3
-            # 5: free the source
+        # 5: free the source, after the pause (no step can use it any more)
+        with eng._lock:
             for u, (dev, kv, pool) in old.items():
                 eng._drop_weights(u, dev)
                 if kv:
