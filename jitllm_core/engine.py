@@ -47,6 +47,7 @@ class DeviceState:
         self.arena, self.dev = arena, arena.dev
         self.acts, self.consts = {}, {}
         self.weights = {}   # tensor name -> [Buffer, users]
+        self.slots = []     # two {role: Buffer} for streamed units
         try:
             for n, (dt, size) in model.activations().items():
                 self.acts[n] = arena.alloc(max(4, size * (4 if dt in ("f32", "i32") else 2)))
@@ -57,16 +58,27 @@ class DeviceState:
         self.dev.upload(self.consts["rope_freqs"], rope_freqs)
 
     def release(self):
-        for b in list(self.acts.values()) + list(self.consts.values()):
+        for b in list(self.acts.values()) + list(self.consts.values()) + [b for s in self.slots for b in s.values()]:
             self.arena.free(b)
-        self.acts, self.consts = {}, {}
+        self.acts, self.consts, self.slots = {}, {}, []
+
+
+@dataclass
+class Segment:
+    """Units run by one program on one device. A streamed unit is a segment of its own whose weights are copied
+    from host memory into one of the device's two slots before it runs (the next one's copy overlaps it)."""
+    device: str
+    units: list
+    program: object
+    streamed: object = None   # the streamed unit, or None
+    slot: int = 0
 
 
 class UnitState:
     """A unit's place: its device, its weight tensors there and, for layers, its KV page pool and page table."""
 
-    def __init__(self, unit, device_name):
-        self.unit, self.device = unit, device_name
+    def __init__(self, unit, device_name, residency="resident"):
+        self.unit, self.device, self.residency = unit, device_name, residency
         self.kv = None          # {"k": Buffer, "v": Buffer, "ptab": Buffer}
         self.pool = None        # PagePool
         self.ptab_for = None    # (sequence id, pages) currently uploaded
@@ -74,7 +86,7 @@ class UnitState:
 
 class Engine:
     def __init__(self, model=None, devices=None, placement="auto", threads=None, kv_dtype="f16",
-                 max_context=None, progress=None, mem=None):
+                 max_context=None, progress=None, mem=None, n_device_layers=None):
         if kv_dtype not in ("f16", "f32"):
             raise JitllmError(f"kv_dtype must be 'f16' or 'f32', not {kv_dtype!r}")
         self.model_path = str(model) if model is not None else default_model_path()
@@ -100,11 +112,13 @@ class Engine:
         self.stats = {"steps": 0, "tokens": 0, "bytes_read": {}, "bytes_crossed": {}, "crossings": 0,
                       "bytes_per_token": 0}
         from .placement import resolve
-        layout = resolve(placement, self.model, self.devices)
+        from concurrent.futures import ThreadPoolExecutor
+        self._streamer = ThreadPoolExecutor(1, thread_name_prefix="jitllm-stream")
+        layout = resolve(self, placement, n_device_layers)
         total = len(layout)
-        for i, (unit, dev_name) in enumerate(layout.items()):
+        for i, (unit, (dev_name, residency)) in enumerate(layout.items()):
             self.progress("loading weights", i, total)
-            self._place_unit(unit, dev_name)
+            self._place_unit(unit, dev_name, residency)
         self.progress("loading weights", total, total)
         self._build_segments()
 
@@ -124,7 +138,15 @@ class Engine:
 
     @property
     def placement(self):
-        return {u: (s.device, "resident") for u, s in self.units.items()}
+        """unit -> (device, residency); a unit resident on the host CPU while others sit on an accelerator is
+        'host-compute'."""
+        host = self.host_device()
+        accel = any(st.device != host for st in self.units.values())
+        return {u: (st.device, "host-compute" if accel and st.device == host and st.residency == "resident"
+                    else st.residency) for u, st in self.units.items()}
+
+    def host_device(self):
+        return next((n for n, d in self.devices.items() if d.backend == "cpu"), None)
 
     def _device_name(self, name):
         from .placement import _lookup
@@ -158,6 +180,8 @@ class Engine:
         return moved
 
     def _drop_weights(self, unit, dev_name, names=None):
+        if names is None and self.units.get(unit) and self.units[unit].residency == "streamed":
+            return  # a streamed unit owns no weights on its device
         ds = self.dev_state[dev_name]
         for name in self.model.weight_shapes(unit) if names is None else names:
             entry = ds.weights[name]
@@ -191,59 +215,95 @@ class Engine:
         for b in kv.values():
             self.arenas[dev_name].free(b)
 
-    def _place_unit(self, unit, dev_name):
-        st = UnitState(unit, dev_name)
-        self._load_weights(unit, dev_name)
+    def _place_unit(self, unit, dev_name, residency="resident"):
+        st = UnitState(unit, dev_name, residency)
+        if residency == "streamed":
+            self._state(dev_name)
+        else:
+            self._load_weights(unit, dev_name)
         if isinstance(unit, int):
             st.kv = self._alloc_kv(dev_name)
             st.pool = PagePool(self.model.n_pages)
         self.units[unit] = st
 
-    def _bind(self, unit, dev_name, kv=None):
-        """Launches of one unit with its buffer names resolved on dev_name."""
+    def _bind(self, unit, dev_name, kv=None, slot=None):
+        """Launches of one unit with its buffer names resolved on dev_name (weights in `slot` when streamed)."""
         ds, out = self.dev_state[dev_name], []
         kv = kv or self.units[unit].kv or {}
+        weight = (lambda n: ds.weights[n][0]) if slot is None else (lambda n: ds.slots[slot][_role(n)])
         for lt in self.model.unit_launches(unit):
             bufs = {}
             for param, ref in lt.buffers.items():
                 kind, name = ref.split(":", 1)
-                bufs[param] = {"w": lambda n: ds.weights[n][0], "a": ds.acts.__getitem__,
+                bufs[param] = {"w": weight, "a": ds.acts.__getitem__,
                                "c": ds.consts.__getitem__, "kv": kv.__getitem__}[kind](name)
             out.append(Launch(lt.kernel, bufs, lt.scalars))
         return out
 
     def _layout(self):
-        return {u: st.device for u, st in self.units.items()}
+        return {u: (st.device, st.residency) for u, st in self.units.items()}
 
     def _programs(self, layout, kvs=None):
-        """One program per segment -- consecutive units on one device -- for a layout unit -> device.
-        kvs overrides the KV buffers of some units (a migration binds the target's before switching)."""
-        segs = []
+        """One program per segment -- consecutive resident units on one device, or one streamed unit -- for a
+        layout unit -> (device, residency). kvs overrides the KV buffers of some units (a migration binds the
+        target's before switching)."""
+        segs, n_streamed = [], {}
         for unit in self.model.units:
-            d = layout[unit]
-            if segs and segs[-1][0] == d:
-                segs[-1][1].append(unit)
+            d, res = layout[unit]
+            if res == "streamed":
+                k = n_streamed[d] = n_streamed.get(d, -1) + 1
+                segs.append(Segment(d, [unit], None, unit, k % 2))
+            elif segs and segs[-1].device == d and segs[-1].streamed is None:
+                segs[-1].units.append(unit)
             else:
-                segs.append((d, [unit]))
-        built = []
-        for i, (d, units) in enumerate(segs):
+                segs.append(Segment(d, [unit], None))
+        for d in n_streamed:
+            self._ensure_slots(d, [u for u in self.model.units if layout[u] == (d, "streamed")])
+        for i, seg in enumerate(segs):
             self.progress("compiling kernels", i, len(segs))
-            faults.check("compile", d)
-            launches = [ln for u in units for ln in self._bind(u, d, (kvs or {}).get(u))]
-            built.append((d, units, self.devices[d].program(launches)))
+            faults.check("compile", seg.device)
+            slot = seg.slot if seg.streamed is not None else None
+            launches = [ln for u in seg.units for ln in self._bind(u, seg.device, (kvs or {}).get(u), slot)]
+            seg.program = self.devices[seg.device].program(launches)
         self.progress("compiling kernels", len(segs), len(segs))
-        return built
+        return segs
+
+    def _ensure_slots(self, dev_name, units):
+        """Two weight slots on the device, each large enough for any of the streamed units' tensors."""
+        need = {}
+        for u in units:
+            for name in self.model.weight_shapes(u):
+                need[_role(name)] = max(need.get(_role(name), 0), self._tensor_bytes(name, u))
+        ds = self._state(dev_name)
+        if ds.slots and all(ds.slots[0].get(r) is not None and ds.slots[0][r].nbytes >= n for r, n in need.items()):
+            return
+        for s in ds.slots:
+            for b in s.values():
+                ds.arena.free(b)
+        ds.slots = []
+        for _ in range(2):
+            ds.slots.append({r: ds.arena.alloc(n) for r, n in need.items()})
+
+    def _stream_in(self, seg):
+        """Copy a streamed unit's weights from host memory into its slot; returns bytes copied."""
+        ds, moved = self.dev_state[seg.device], 0
+        for name, (shape, as_f32) in self.model.weight_shapes(seg.streamed).items():
+            data = self.mf.f32(name, shape) if as_f32 else self.mf.tensor(name, shape).raw()
+            ds.dev.upload(ds.slots[seg.slot][_role(name)], data)
+            moved += data.nbytes
+        return moved
 
     def _build_segments(self):
         self.segments = self._programs(self._layout())
         self.stats["bytes_per_token"] = self._weight_bytes()
 
     def _weight_bytes(self):
-        return sum(int(np.prod(shape)) and self._tensor_bytes(n) for u in self.model.units
-                   for n, (shape, _) in self.model.weight_shapes(u).items())
+        return sum(self._tensor_bytes(n, u) for u in self.model.units for n in self.model.weight_shapes(u))
 
-    def _tensor_bytes(self, name):
-        return len(self.mf.tensors[name].raw())
+    def _tensor_bytes(self, name, unit):
+        """Bytes of a weight as a device holds it (norms and biases become f32)."""
+        shape, as_f32 = self.model.weight_shapes(unit)[name]
+        return int(np.prod(shape)) * 4 if as_f32 else len(self.mf.tensors[name].raw())
 
     # ------------------------------------------------------------------ sequences and steps
     def new_sequence(self):
@@ -286,13 +346,23 @@ class Engine:
         self._ensure_pages(seq, pos + n)
         self._upload_ptabs(seq)
         values = {"pos": pos, "n_tokens": n, "t0": t0, "zero": 0}
-        first = self.dev_state[self.segments[0][0]]
+        first = self.dev_state[self.segments[0].device]
         first.dev.upload(first.acts["tok"], np.asarray(tokens, np.int32))
+        streamed = [seg for seg in self.segments if seg.streamed is not None]
+        pending = {id(streamed[0]): self._streamer.submit(self._stream_in, streamed[0])} if streamed else {}
         prev = None
-        for d, units, prog in self.segments:
+        for seg in self.segments:
+            d = seg.device
             if prev is not None and prev != d:
                 self._cross(prev, d, n * self.config.dim * 4)
-            prog.run(values)
+            if seg.streamed is not None:
+                nbytes = pending.pop(id(seg)).result()
+                self._account("bytes_crossed", f"host->{d}", nbytes)
+                self.stats["crossings"] += 1
+                after = streamed.index(seg) + 1
+                if after < len(streamed):  # the other slot is free: copy the next unit while this one runs
+                    pending[id(streamed[after])] = self._streamer.submit(self._stream_in, streamed[after])
+            seg.program.run(values)
             prev = d
         last = self.dev_state[prev]
         rows = n - t0
@@ -305,20 +375,24 @@ class Engine:
     def _cross(self, src, dst, nbytes):
         a, b = self.dev_state[src].acts["x"], self.dev_state[dst].acts["x"]
         registry.copy(a, 0, b, 0, nbytes)
-        key = f"{src}->{dst}"
-        self.stats["bytes_crossed"][key] = self.stats["bytes_crossed"].get(key, 0) + nbytes
+        self._account("bytes_crossed", f"{src}->{dst}", nbytes)
         self.stats["crossings"] += 1
 
+    def _account(self, table, key, nbytes):
+        self.stats[table][key] = self.stats[table].get(key, 0) + nbytes
+
     def _count(self, pos, n):
+        """Bytes each device's memory served this step: every unit's weights (a streamed unit's from its slot,
+        after the copy) and the KV rows attention read."""
         s, c = self.stats, self.config
         s["steps"] += 1
         s["tokens"] += n
         kv_row = c.n_kv * c.head_dim * (2 if self.kv_dtype == "f16" else 4) * 2
         for u, st in self.units.items():
-            b = sum(self._tensor_bytes(t) for t in self.model.weight_shapes(u))
+            b = sum(self._tensor_bytes(t, u) for t in self.model.weight_shapes(u))
             if st.pool is not None:
                 b += kv_row * (pos + n)
-            s["bytes_read"][st.device] = s["bytes_read"].get(st.device, 0) + b
+            self._account("bytes_read", st.device, b)
 
     # ------------------------------------------------------------------ public API
     def apply_chat_template(self, messages, add_generation_prompt=True):
@@ -407,6 +481,9 @@ class Engine:
             self.last.text, self.last.finish_reason = text, reason
             self.free_sequence(seq)
 
+    def reset_stats(self):
+        self.stats.update(steps=0, tokens=0, bytes_read={}, bytes_crossed={}, crossings=0)
+
     def migrate(self, layers, device, wait=True):
         """Move units (layer indices, ranges, 'embed', 'head', or a string like '0-29') to `device` while
         generation goes on; returns the report, or with wait=False a future whose .result() is the report."""
@@ -414,6 +491,7 @@ class Engine:
         return Migration(self, layers, device).start(wait)
 
     def close(self):
+        self._streamer.shutdown()
         with self._lock:
             for st in self.units.values():
                 if st.kv:
@@ -453,6 +531,11 @@ class Session:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _role(tensor_name):
+    """'blk.7.attn_q.weight' -> 'attn_q.weight': the same tensor of every layer shares a streaming slot."""
+    return tensor_name.split(".", 2)[2] if tensor_name.startswith("blk.") else tensor_name
 
 
 def _held_back(text, stops):

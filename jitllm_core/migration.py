@@ -126,7 +126,7 @@ class Migration:
                 self.staged[u] = {"kv": eng._alloc_kv(self.target), "pool": PagePool(eng.model.n_pages)}
         r.paths["weights"] = "host-upload"
         self.layout = eng._layout()
-        self.layout.update({u: self.target for u in self.moving})
+        self.layout.update({u: (self.target, "resident") for u in self.moving})
         self.programs = eng._programs(self.layout, {u: s["kv"] for u, s in self.staged.items()})
 
     # -- 3: pages that are full never change again: copy them while the source keeps generating
@@ -168,17 +168,18 @@ class Migration:
         eng, r = self.eng, self.report
         with eng._lock:
             t = time.perf_counter()
-            if eng._layout() != {**self.layout, **{u: eng.units[u].device for u in self.moving}}:
+            if eng._layout() != {**self.layout, **{u: (eng.units[u].device, eng.units[u].residency)
+                                                   for u in self.moving}}:
                 # another migration changed the placement since we compiled: bind again (rare, in the pause)
-                self.layout = {**eng._layout(), **{u: self.target for u in self.moving}}
+                self.layout = {**eng._layout(), **{u: (self.target, "resident") for u in self.moving}}
                 self.programs = eng._programs(self.layout, {u: s["kv"] for u, s in self.staged.items()})
             for seq in eng.sequences.values():
                 for u in self.staged:
                     r.bytes_in_pause += self._copy_pages(seq.id, u, seq.pages.get(u, []))
-            old = {u: (eng.units[u].device, eng.units[u].kv, eng.units[u].pool) for u in self.moving}
+            old = {u: (eng.units[u].device, eng.units[u].kv, eng.units[u].residency) for u in self.moving}
             for u in self.moving:  # the switch: nothing below can fail
                 st = eng.units[u]
-                st.device = self.target
+                st.device, st.residency = self.target, "resident"
                 if u in self.staged:
                     st.kv, st.pool, st.ptab_for = self.staged[u]["kv"], self.staged[u]["pool"], None
                     for seq in eng.sequences.values():
@@ -188,8 +189,9 @@ class Migration:
             r.pause_ms = (time.perf_counter() - t) * 1e3
         # 5: free the source, after the pause (no step can use it any more)
         with eng._lock:
-            for u, (dev, kv, pool) in old.items():
-                eng._drop_weights(u, dev)
+            for u, (dev, kv, residency) in old.items():
+                if residency != "streamed":
+                    eng._drop_weights(u, dev, list(eng.model.weight_shapes(u)))
                 if kv:
                     eng._free_kv(dev, kv)
             eng._release_unused_states()

@@ -1,10 +1,19 @@
-"""Turns the user's `placement` argument into unit -> device name."""
+"""Turns the user's `placement` argument into unit -> (device, residency).
+
+    "auto"                                    the cost model's best layout that fits (one device: all there)
+    "vulkan:0"                                every unit resident there
+    {"cpu": range(0, 15), "vulkan:0": range(15, 30)}             resident; embed/head follow the first/last layer
+    {"vulkan:0": {"resident": range(0, 12), "streamed": range(12, 30)}}     with residencies
+"""
 from __future__ import annotations
 
+from . import costmodel as cm
+from . import planner
 from .errors import JitllmError
 
 # an accelerator beats the CPU backend; a Vulkan device that is itself a CPU emulation (lavapipe) does not
 _RANK = {"cuda": 3, "vulkan": 2, "cpu": 1}
+RESIDENCIES = ("resident", "streamed")
 
 
 def _rank(dev):
@@ -13,31 +22,58 @@ def _rank(dev):
     return _RANK.get(dev.backend, 1)
 
 
-def resolve(placement, model, devices: dict) -> dict:
-    units = model.units
-    layers = [u for u in units if isinstance(u, int)]
-    if placement == "auto" or placement is None:
-        best = max(devices.values(), key=_rank).name
-        return {u: best for u in units}
+def resolve(eng, placement, n_device_layers=None) -> dict:
+    units, devices = eng.model.units, eng.devices
+    if n_device_layers is not None or placement in ("auto", None):
+        return _planned(eng, n_device_layers)
     if isinstance(placement, str):
         dev = _lookup(placement, devices)
-        return {u: dev for u in units}
+        return {u: (dev, "resident") for u in units}
     if not isinstance(placement, dict):
         raise JitllmError(f"placement must be 'auto', a device name or a dict device -> layers, not {placement!r}")
+    return _explicit(placement, units, devices)
+
+
+def _planned(eng, n_device_layers):
+    """One device, or everything fits the best one: all there. Otherwise the cost model decides."""
+    units, devices = eng.model.units, eng.devices
+    best = max(devices.values(), key=_rank).name
+    shp = planner.shape(eng)
+    fits = eng.arenas[best].free_bytes >= sum(shp.unit_bytes) + sum(shp.kv_bytes)
+    if len(devices) == 1 or (n_device_layers is None and fits):
+        return {u: (best, "resident") for u in units}
+    host = eng.host_device()
+    if host is None:
+        raise JitllmError("planning a split needs a CPU device among the engine's devices")
+    hw = planner.hardware(devices, eng.arenas, host)
+    accel = next((n for n in sorted(devices, key=lambda n: -_rank(devices[n])) if n != host), None)
+    if n_device_layers is not None:
+        layout = cm.n_device_layers(int(n_device_layers), hw, shp, accel, "host")
+    else:
+        layout = cm.choose([cm.predict(lay, hw, shp) for lay in planner.candidates(hw, shp)]).layout
+    return planner.to_placement(layout, units)
+
+
+def _explicit(placement, units, devices):
+    layers = [u for u in units if isinstance(u, int)]
     out = {}
     for name, which in placement.items():
         dev = _lookup(name, devices)
-        for u in ([which] if isinstance(which, (int, str)) else list(which)):
-            if u not in units:
-                raise JitllmError(f"placement: unknown unit {u!r} (layers 0..{len(layers) - 1}, 'embed', 'head')")
-            if u in out:
-                raise JitllmError(f"placement: unit {u!r} is placed twice")
-            out[u] = dev
+        groups = which.items() if isinstance(which, dict) else [("resident", which)]
+        for residency, members in groups:
+            if residency not in RESIDENCIES:
+                raise JitllmError(f"placement: unknown residency {residency!r} (one of {', '.join(RESIDENCIES)})")
+            for u in ([members] if isinstance(members, (int, str)) else list(members)):
+                if u not in units:
+                    raise JitllmError(f"placement: unknown unit {u!r} (layers 0..{len(layers) - 1}, 'embed', 'head')")
+                if u in out:
+                    raise JitllmError(f"placement: unit {u!r} is placed twice")
+                out[u] = (dev, residency)
     missing = [u for u in layers if u not in out]
     if missing:
         raise JitllmError(f"placement: layers {missing[0]}..{missing[-1]} have no device")
-    out.setdefault("embed", out[layers[0]])
-    out.setdefault("head", out[layers[-1]])
+    out.setdefault("embed", (out[layers[0]][0], "resident"))
+    out.setdefault("head", (out[layers[-1]][0], "resident"))
     return {u: out[u] for u in units}
 
 

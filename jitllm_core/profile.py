@@ -27,15 +27,16 @@ def profile_decode(eng, prompt_tokens=32, repeats=5):
             eng._step(seq, list(range(1, prompt_tokens + 1)), prompt_tokens - 1)
             values = {"pos": seq.n, "n_tokens": 1, "t0": 0, "zero": 0}
             rows = []
-            for dev_name, units, _ in eng.segments:
-                dev = eng.devices[dev_name]
-                for u in units:
-                    for ln in eng._bind(u, dev_name):
+            for seg in eng.segments:
+                dev = eng.devices[seg.device]
+                for u in seg.units:
+                    slot = seg.slot if seg.streamed is not None else None
+                    for ln in eng._bind(u, seg.device, slot=slot):
                         prog = dev.program([Launch(ln.kernel, ln.buffers, ln.scalars)])
                         prog.run(values)
                         nbytes = sum(b.nbytes for p, b in ln.buffers.items() if p in ("w",))
                         rows.append((u, ln.kernel.name, _median_time(lambda: prog.run(values), repeats), nbytes))
-            whole = _median_time(lambda: [p.run(values) for _, _, p in eng.segments], repeats)
+            whole = _median_time(lambda: [seg.program.run(values) for seg in eng.segments], repeats)
         return rows, whole
     finally:
         eng.free_sequence(seq)
