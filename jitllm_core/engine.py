@@ -109,6 +109,7 @@ class Engine:
         self.units = {}
         self.segments = []
         self.last = None
+        self.plan = None    # the cost model's prediction, when the planner chose the placement
         self.stats = {"steps": 0, "tokens": 0, "bytes_read": {}, "bytes_crossed": {}, "crossings": 0,
                       "bytes_per_token": 0}
         from .placement import resolve

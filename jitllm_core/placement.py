@@ -39,19 +39,24 @@ def _planned(eng, n_device_layers):
     units, devices = eng.model.units, eng.devices
     best = max(devices.values(), key=_rank).name
     shp = planner.shape(eng)
-    fits = eng.arenas[best].free_bytes >= sum(shp.unit_bytes) + sum(shp.kv_bytes)
+    fits = eng.arenas[best].free_bytes >= sum(shp.unit_bytes) + sum(shp.kv_bytes) + _activation_bytes(eng)
     if len(devices) == 1 or (n_device_layers is None and fits):
         return {u: (best, "resident") for u in units}
     host = eng.host_device()
     if host is None:
         raise JitllmError("planning a split needs a CPU device among the engine's devices")
-    hw = planner.hardware(devices, eng.arenas, host)
+    hw = planner.hardware(devices, eng.arenas, host, reserve=_activation_bytes(eng))
     accel = next((n for n in sorted(devices, key=lambda n: -_rank(devices[n])) if n != host), None)
     if n_device_layers is not None:
-        layout = cm.n_device_layers(int(n_device_layers), hw, shp, accel, "host")
+        eng.plan = cm.predict(cm.n_device_layers(int(n_device_layers), hw, shp, accel, "host"), hw, shp)
     else:
-        layout = cm.choose([cm.predict(lay, hw, shp) for lay in planner.candidates(hw, shp)]).layout
-    return planner.to_placement(layout, units)
+        eng.plan = cm.choose([cm.predict(lay, hw, shp) for lay in planner.candidates(hw, shp)])
+    return planner.to_placement(eng.plan.layout, units)
+
+
+def _activation_bytes(eng):
+    """Per-device activations and constants, which every device that runs a unit holds besides its units."""
+    return sum(size * 4 for _, size in eng.model.activations().values()) + eng.rope_freqs.nbytes + (1 << 20)
 
 
 def _explicit(placement, units, devices):

@@ -63,12 +63,13 @@ def _cpu_model():
         return "cpu"
 
 
-def hardware(devices: dict, arenas: dict, host: str) -> cm.Hardware:
+def hardware(devices: dict, arenas: dict, host: str, reserve=0) -> cm.Hardware:
+    """The devices as the cost model sees them; `reserve` bytes of each are kept for activations."""
     host_bw = host_read_bandwidth()
     devs, links = [], []
     for name, d in devices.items():
         bw = host_bw if name == host else (d.caps.bandwidth_Bps or host_bw)
-        devs.append(cm.Device(name, arenas[name].free_bytes, bw, host=name == host))
+        devs.append(cm.Device(name, max(0, arenas[name].free_bytes - reserve), bw, host=name == host))
         if name != host:
             if d.backend == "cpu":  # another CPU partition: a memcpy in the same memory
                 links.append(cm.Link(host, name, host_bw / 2, 0.0))
