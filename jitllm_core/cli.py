@@ -20,7 +20,7 @@ INSTALL_HINT = ("Install the CPU backend:  pip install jitllm-cpu-llvm\n"
                 "  (from a checkout of the repository:  pip install ./plugins/cpu_llvm)")
 CHAT_HELP = ("Type a message and press Enter. Commands (/move, /placement and /stats also work while a reply "
              "streams):\n"
-             "  /move LAYERS DEVICE   migrate layers, e.g. /move 0-29 vulkan:0 or /move 0-3,8 cpu:1\n"
+             "  /move UNITS DEVICE    migrate layers, e.g. /move 0-29 vulkan:0 or /move embed,0-3 cpu:1\n"
              "  /placement            which device each unit is on\n"
              "  /stats                the engine's counters\n"
              "  /reset                forget the conversation\n"
@@ -191,33 +191,6 @@ def cmd_chat(args) -> int:
         eng.close()
 
 
-def parse_layers(text: str) -> list[int]:
-    """'0-29' -> [0..29]; '0-3,8' -> [0, 1, 2, 3, 8]."""
-    layers = []
-    try:
-        for part in text.split(","):
-            lo, _, hi = part.partition("-")
-            layers.extend(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise JitllmError(f"bad layer list {text!r}: expected e.g. 0-29 or 0-3,8") from None
-    return layers
-
-
-def human_bytes(n) -> str:
-    for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} bytes"
-
-
-def describe_migration(report) -> str:
-    if not report.ok:
-        return f"move failed and was rolled back ({report.reason}); generation continued where it was"
-    return (f"moved: pause {report.pause_ms:.2f} ms, {human_bytes(report.bytes_precopied)} pre-copied, "
-            f"{human_bytes(report.bytes_in_pause)} in the pause, via {', '.join(map(str, report.paths)) or '-'}, "
-            f"{report.recomputed_tokens} tokens recomputed")
-
-
 class ChatSession:
     """Input is read on its own thread, so that /move, /placement and /stats run even while a reply streams;
     anything else typed meanwhile waits until the reply ends."""
@@ -277,7 +250,7 @@ class ChatSession:
         name, *rest = line.split()
         try:
             if name == "/move" and len(rest) == 2:
-                self.move(parse_layers(rest[0]), rest[1])
+                self.move(*rest)
             elif name == "/placement":
                 self.show_placement()
             elif name == "/stats":
@@ -290,13 +263,14 @@ class ChatSession:
         except JitllmError as e:
             print(f"jitllm: error: {e}", file=sys.stderr)
 
-    def move(self, layers, device):
-        handle = self.eng.migrate(layers, device, wait=False)
-        print(f"[moving {len(layers)} layers to {device}...]", file=sys.stderr)
+    def move(self, units, device):
+        """Start migrating units ('0-29', '0-3,8', 'embed,0-4') to device; the report prints when it is done."""
+        handle = self.eng.migrate(units, device, wait=False)
+        print(f"[moving {units} to {device} ...]", file=sys.stderr)
 
         def report():
             try:
-                print(f"\n[{describe_migration(handle.result())}]", file=sys.stderr)
+                print(f"\n[{handle.result()}]", file=sys.stderr)
             except JitllmError as e:
                 print(f"\njitllm: error: {e}", file=sys.stderr)
 
@@ -336,7 +310,7 @@ def cmd_devices(args) -> int:
     for st in status:
         for d in st["devices"]:
             rows.append([st["name"], st["status"], d.name, f"{d.caps.memory_bytes / 2**30:.1f} GiB",
-                         d.describe().removeprefix(f"{d.name}: ")])
+                         d.describe().removeprefix(d.name).lstrip(": ")])
         if not st["devices"]:
             rows.append([st["name"], st["status"], "-", "-", st["reason"] or "no devices"])
     if rows:

@@ -6,6 +6,7 @@ boundary.
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -299,7 +300,12 @@ class Engine:
         self.stats["bytes_per_token"] = self._weight_bytes()
 
     def _weight_bytes(self):
-        return sum(self._tensor_bytes(n, u) for u in self.model.units for n in self.model.weight_shapes(u))
+        """Weight bytes one decode step reads: every unit's tensors, but only one row of the embedding."""
+        return sum(self._unit_bytes(u) // (self.config.vocab if u == "embed" else 1) for u in self.model.units)
+
+    @functools.lru_cache(maxsize=None)
+    def _unit_bytes(self, unit):
+        return sum(self._tensor_bytes(t, unit) for t in self.model.weight_shapes(unit))
 
     def _tensor_bytes(self, name, unit):
         """Bytes of a weight as a device holds it (norms and biases become f32)."""
@@ -390,7 +396,7 @@ class Engine:
         s["tokens"] += n
         kv_row = c.n_kv * c.head_dim * (2 if self.kv_dtype == "f16" else 4) * 2
         for u, st in self.units.items():
-            b = sum(self._tensor_bytes(t, u) for t in self.model.weight_shapes(u))
+            b = self._unit_bytes(u)
             if st.pool is not None:
                 b += kv_row * (pos + n)
             self._account("bytes_read", st.device, b)

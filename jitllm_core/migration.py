@@ -68,6 +68,8 @@ def parse_units(spec, all_units):
     for it in items:
         if isinstance(it, str) and "-" in it:
             a, b = it.split("-", 1)
+            if not (a.isdigit() and b.isdigit()):
+                raise JitllmError(f"migrate: cannot read {it!r} as a layer range (e.g. 0-29)")
             out += range(int(a), int(b) + 1)
         elif isinstance(it, str) and it.isdigit():
             out.append(int(it))
@@ -90,7 +92,13 @@ class Migration:
         if wait:
             return self.run()
         fut = Future()
-        threading.Thread(target=lambda: fut.set_result(self.run()), daemon=True, name="jitllm-migrate").start()
+
+        def work():
+            try:
+                fut.set_result(self.run())
+            except BaseException as e:  # run() reports its own failures; this is for the unforeseen
+                fut.set_exception(e)
+        threading.Thread(target=work, daemon=True, name="jitllm-migrate").start()
         return fut
 
     def run(self):
@@ -129,22 +137,26 @@ class Migration:
         self.layout.update({u: (self.target, "resident") for u in self.moving})
         self.programs = eng._programs(self.layout, {u: s["kv"] for u, s in self.staged.items()})
 
-    # -- 3: pages that are full never change again: copy them while the source keeps generating
+    # -- 3: pages that are full never change again: copy them while the source keeps generating. The partial
+    # tail page is copied too (it warms the target's memory) and copied again in the pause.
     def _precopy(self):
         eng = self.eng
         with eng._lock:  # a consistent view of which pages are full right now
             snapshot = [(seq.id, seq.n, {u: list(seq.pages.get(u, ())) for u in self.staged})
                         for seq in eng.sequences.values()]
+        self.dirty = {}
         for sid, n, pages in snapshot:
             full = n // eng.model.page
             for u, plist in pages.items():
-                self.report.bytes_precopied += self._copy_pages(sid, u, plist[:full])
+                self.report.bytes_precopied += self._copy_pages(sid, u, plist)
+                self.dirty[(sid, u)] = set(plist[full:])
 
-    def _copy_pages(self, sid, unit, src_pages):
-        """Copy pages of one layer to the target pool, coalescing runs that are contiguous on both sides."""
+    def _copy_pages(self, sid, unit, src_pages, again=()):
+        """Copy pages of one layer to the target pool (those not copied yet, and `again`), coalescing runs that
+        are contiguous on both sides."""
         eng, st = self.eng, self.staged[unit]
         mapping = self.new_pages.setdefault((sid, unit), {})
-        todo = [p for p in src_pages if p not in mapping]
+        todo = [p for p in src_pages if p not in mapping or p in again]
         for p in todo:
             mapping[p] = st["pool"].alloc()
         page_bytes = eng.model.kv_bytes_per_layer() // 2 // eng.model.n_pages
@@ -175,7 +187,8 @@ class Migration:
                 self.programs = eng._programs(self.layout, {u: s["kv"] for u, s in self.staged.items()})
             for seq in eng.sequences.values():
                 for u in self.staged:
-                    r.bytes_in_pause += self._copy_pages(seq.id, u, seq.pages.get(u, []))
+                    again = self.dirty.get((seq.id, u), ())
+                    r.bytes_in_pause += self._copy_pages(seq.id, u, seq.pages.get(u, []), again)
             old = {u: (eng.units[u].device, eng.units[u].kv, eng.units[u].residency) for u in self.moving}
             for u in self.moving:  # the switch: nothing below can fail
                 st = eng.units[u]

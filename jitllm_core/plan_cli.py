@@ -38,7 +38,7 @@ def run_plan(args: argparse.Namespace) -> int:
             return 0
         rows, chosen = plan_rows(hw, shape, args.device, args.n_device_layers)
     except JitllmError as e:
-        print(f"jitllm plan: {e}", file=sys.stderr)
+        print(f"jitllm: error: {e}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps([p.to_dict() | {"chosen": p is chosen} for p in rows]))

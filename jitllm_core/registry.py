@@ -5,6 +5,7 @@ which entry points load.
 """
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 import threading
@@ -97,6 +98,7 @@ def device(name):
     raise JitllmError(f"no device named {name!r} (available: {', '.join(devs)}){'; ' + why if why else ''}")
 
 
+@functools.lru_cache(maxsize=None)
 def transfer_paths(src, dst):
     """Paths that can copy src -> dst, cheapest first."""
     return [p for p in _get()[2] if p.supports(src, dst)]

@@ -282,8 +282,10 @@ class KernelLowering:
             if op == "max":
                 return b.select(b.fcmp_ordered(">", y, x), y, x)
             return b.fcmp_ordered({"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}[op], x, y)
-        if op in ("add", "sub", "mul", "and", "or", "xor"):
-            return {"add": b.add, "sub": b.sub, "mul": b.mul, "and": b.and_, "or": b.or_, "xor": b.xor}[op](x, y)
+        if op in ("add", "sub", "mul"):  # nsw: the IR leaves i32 overflow undefined, so indices can widen
+            return {"add": b.add, "sub": b.sub, "mul": b.mul}[op](x, y, flags=("nsw",))
+        if op in ("and", "or", "xor"):
+            return {"and": b.and_, "or": b.or_, "xor": b.xor}[op](x, y)
         if op == "land":
             return b.and_(x, y)
         if op == "lor":
@@ -543,7 +545,8 @@ def _children(e):
 def program_module(launch_slots, kernels, width, triple) -> L.Module:
     """One module: every distinct kernel, the barrier, and `step` that calls the launches in order.
 
-    launch_slots: list of (kernel key, [buffer slot per buffer param], [scalar slot per scalar param]).
+    launch_slots: list of (kernel key, [buffer slot per buffer param], [scalar slot per scalar param],
+    barrier after this launch?). The last launch is always followed by a barrier.
     """
     m = L.Module(name="jitllm_program")
     m.triple = triple
@@ -555,10 +558,11 @@ def program_module(launch_slots, kernels, width, triple) -> L.Module:
     step = L.Function(m, L.FunctionType(VOID, [PTR, PTR, I32, I32, PTR]), name="jl_step")
     bufs, scal, tid, nth, bar = step.args
     b = L.IRBuilder(step.append_basic_block("entry"))
-    for key, bslots, sslots in launch_slots:
+    for i, (key, bslots, sslots, sync) in enumerate(launch_slots):
         args = [b.load(b.gep(bufs, [L.Constant(I32, s)], source_etype=PTR), typ=PTR) for s in bslots]
         args += [b.load(b.gep(scal, [L.Constant(I32, s)], source_etype=I32), typ=I32) for s in sslots]
         b.call(fns[key], args + [tid, nth, bar])
-        b.call(barrier, [bar, nth])
+        if sync or i == len(launch_slots) - 1:
+            b.call(barrier, [bar, nth])
     b.ret_void()
     return m

@@ -124,7 +124,9 @@ class CpuProgram(Program):
                 if ln.buffers[p].nbytes < need:
                     raise BackendError(f"kernel {ln.kernel.name}: buffer for {p} has {ln.buffers[p].nbytes} bytes, "
                                        f"needs {need}")
-            slots.append((ln.kernel.key(), bs, ss))
+            slots.append([ln.kernel.key(), bs, ss, False])
+        for i in barriers_needed(launches):
+            slots[i][3] = True
         kernels = [ln.kernel for ln in launches]
         text = str(lower.program_module(slots, kernels, simd_width(), llvm.get_process_triple()))
         self.compiled = device.compile_text(text)
@@ -137,6 +139,22 @@ class CpuProgram(Program):
         for name, i in self.scalar_slots.items():
             self.scal[i] = int(values[name])
         self.device.workers.run(self.compiled.step, ctypes.addressof(self.bufs), ctypes.addressof(self.scal))
+
+
+def barriers_needed(launches):
+    """Indices of launches that must be followed by a barrier: those whose writes a later launch touches, or
+    whose reads a later launch overwrites, before some other barrier intervenes. Independent launches (the q, k
+    and v projections, say) then run back to back."""
+    need, written, read = [], set(), set()
+    for i, ln in enumerate(launches):
+        w = {id(b) for p, b in ln.buffers.items() if ln.kernel.buffers[p].write}
+        r = {id(b) for p, b in ln.buffers.items() if not ln.kernel.buffers[p].write}
+        if (r | w) & written or w & read:
+            need.append(i - 1)
+            written, read = set(), set()
+        written |= w
+        read |= r
+    return need
 
 
 class CpuDevice(Device):

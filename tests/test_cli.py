@@ -1,0 +1,144 @@
+"""The `jitllm` command line: devices, plan, errors, and the formatting of bench."""
+import io
+import json
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from jitllm_core import registry
+from jitllm_core.cli import ChatSession, main
+
+CLASSIC = """
+[devices.gpu]
+memory_gb = 24
+bandwidth_gbs = 1792
+
+[devices.host]
+memory_gb = 128
+bandwidth_gbs = 80
+host = true
+
+[links.gpu-host]
+bandwidth_gbs = 63
+latency_us = 0
+
+[model]
+layers = 40
+layer_gb = 0.36
+kv_gb = 2.0
+activation_kb = 40
+"""
+
+
+@pytest.fixture
+def only_plugins(monkeypatch):
+    """Reload the registry with JITLLM_PLUGINS set (None: unset); the previous state comes back afterwards."""
+    def load(value):
+        if value is None:
+            monkeypatch.delenv("JITLLM_PLUGINS", raising=False)
+        else:
+            monkeypatch.setenv("JITLLM_PLUGINS", value)
+        monkeypatch.setattr(registry, "_state", None)
+    return load
+
+
+def test_devices_without_any_backend_says_how_to_install_one(only_plugins, capsys):
+    only_plugins("no-such-plugin")
+    assert main(["devices"]) == 0
+    out = capsys.readouterr().out
+    assert "no backend" in out.lower()
+    assert "pip install jitllm-cpu-llvm" in out
+    assert "pip install ./plugins/cpu_llvm" in out
+
+
+def test_devices_lists_the_cpu(only_plugins, capsys):
+    pytest.importorskip("jitllm_cpu_llvm")
+    only_plugins(None)
+    assert main(["devices"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^cpu\s+ok\s+cpu", out, re.M), out
+
+
+def test_plan_what_if_reproduces_the_classic_example(tmp_path, capsys):
+    hw = tmp_path / "hw.toml"
+    hw.write_text(CLASSIC)
+    assert main(["plan", "--what-if", str(hw)]) == 0
+    chosen = [line for line in capsys.readouterr().out.splitlines() if re.match(r"\*\s+\d", line)]
+    assert len(chosen) == 1 and "40 gpu" in chosen[0] and chosen[0].endswith("109.3")
+
+    assert main(["plan", "--what-if", str(hw), "--json", "--n-device-layers", "24"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert sum(r["chosen"] for r in rows) == 1
+
+
+def test_compile_with_a_missing_backend_is_a_clean_error(only_plugins, capsys):
+    only_plugins("no-such-plugin")
+    assert main(["compile", "--backend", "cuda", "--arch", "sm_90"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jitllm: error: backend 'cuda'")
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("content", [None, b"NOTAGGUF" + bytes(64)], ids=["missing", "bad-magic"])
+def test_bad_model_path_is_a_clean_error(tmp_path, capsys, content):
+    pytest.importorskip("jitllm_core.engine")
+    path = tmp_path / "broken-model.gguf"
+    if content is not None:
+        path.write_bytes(content)
+    assert main(["run", "-m", str(path), "-p", "hi", "--max-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jitllm: error:") and "broken-model.gguf" in err
+    assert "Traceback" not in err
+
+
+def test_run_streams_a_reply_and_a_summary(capsys):
+    pytest.importorskip("jitllm_core.engine")
+    pytest.importorskip("jitllm_cpu_llvm")
+    assert main(["run", "--raw", "-p", "The capital of France is", "--max-tokens", "4", "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.endswith("\n")
+    assert re.search(r"prompt tokens at .* tok/s; finish: (length|eos)\]", captured.err), captured.err
+
+
+class FakeEngine:
+    """Just enough of the engine for the chat session: a streamed reply and a migration."""
+    placement = {"embed": ("cpu", "resident"), 0: ("cpu", "resident"), 1: ("cpu", "resident"),
+                 "head": ("cpu", "resident")}
+    stats = {"steps": 3}
+
+    def __init__(self):
+        self.chats, self.moves = [], []
+
+    def chat(self, messages, stream, **sampling):
+        self.chats.append([m["content"] for m in messages])
+        return (SimpleNamespace(token_id=i, text=t) for i, t in enumerate(["Hello", " there"]))
+
+    def migrate(self, layers, device, wait):
+        self.moves.append((layers, device, wait))
+        return SimpleNamespace(result=lambda: "migrate units 0-1 -> cpu:1: pause 1.50 ms")
+
+
+def test_chat_session_commands(monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n/move 0-1 cpu:1\n/placement\n/reset\nagain\n/quit\nignored\n"))
+    eng = FakeEngine()
+    assert ChatSession(eng, {"max_tokens": 4}).loop() == 0
+    out, err = capsys.readouterr()
+    assert out.count("Hello there\n") == 2
+    assert eng.chats == [["hi"], ["again"]]  # /reset forgot the first turn
+    assert eng.moves == [("0-1", "cpu:1", False)]
+    assert "[migrate units 0-1 -> cpu:1: pause 1.50 ms]" in err
+    assert re.search(r"embed\.\.head\s+cpu\s+resident", err)
+
+
+def test_bench_report_ratios_and_bandwidth_fraction(capsys):
+    bench = pytest.importorskip("jitllm_core.bench")
+    results = [{"threads": 2, "bandwidth_Bps": 10e9, "bytes_per_token": 100e6,
+                "jitllm": {"prompt_tok_s": 300.0, "decode_tok_s": 80.0},
+                "llama.cpp": {"prompt_tok_s": 200.0, "decode_tok_s": 50.0}}]
+    bench.print_report(results, "m.gguf", 37, 64, 5, "the GGUF file's tensors", None)
+    out = capsys.readouterr().out
+    header, row = [line for line in out.splitlines() if re.match(r"\s*(threads|2)\s", line)]
+    assert header.split()[:4] == ["threads", "prompt", "jitllm", "prompt"]
+    # % of bandwidth: 100 MB per token x 80 tok/s / 10 GB/s = 80% (llama.cpp: 50 tok/s -> 50%)
+    assert row.split() == ["2", "300.0", "200.0", "1.50x", "80.0", "50.0", "1.60x", "10.0", "80%", "50%"]
