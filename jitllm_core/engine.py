@@ -70,9 +70,10 @@ class Segment:
     from host memory into one of the device's two slots before it runs (the next one's copy overlaps it)."""
     device: str
     units: list
-    program: object
+    program: object           # for a decode step (one token)
     streamed: object = None   # the streamed unit, or None
     slot: int = 0
+    prefill: object = None    # for a step of several tokens
 
 
 class UnitState:
@@ -228,12 +229,12 @@ class Engine:
             st.pool = PagePool(self.model.n_pages)
         self.units[unit] = st
 
-    def _bind(self, unit, dev_name, kv=None, slot=None):
+    def _bind(self, unit, dev_name, kv=None, slot=None, prefill=False):
         """Launches of one unit with its buffer names resolved on dev_name (weights in `slot` when streamed)."""
         ds, out = self.dev_state[dev_name], []
         kv = kv or self.units[unit].kv or {}
         weight = (lambda n: ds.weights[n][0]) if slot is None else (lambda n: ds.slots[slot][_role(n)])
-        for lt in self.model.unit_launches(unit):
+        for lt in self.model.unit_launches(unit, prefill):
             bufs = {}
             for param, ref in lt.buffers.items():
                 kind, name = ref.split(":", 1)
@@ -265,8 +266,10 @@ class Engine:
             self.progress("compiling kernels", i, len(segs))
             faults.check("compile", seg.device)
             slot = seg.slot if seg.streamed is not None else None
-            launches = [ln for u in seg.units for ln in self._bind(u, seg.device, (kvs or {}).get(u), slot)]
-            seg.program = self.devices[seg.device].program(launches)
+            dev = self.devices[seg.device]
+            seg.program, seg.prefill = (dev.program([ln for u in seg.units for ln in
+                                                     self._bind(u, seg.device, (kvs or {}).get(u), slot, pre)])
+                                        for pre in (False, True))
         self.progress("compiling kernels", len(segs), len(segs))
         return segs
 
@@ -369,7 +372,7 @@ class Engine:
                 after = streamed.index(seg) + 1
                 if after < len(streamed):  # the other slot is free: copy the next unit while this one runs
                     pending[id(streamed[after])] = self._streamer.submit(self._stream_in, streamed[after])
-            seg.program.run(values)
+            (seg.prefill if n > 1 else seg.program).run(values)
             prev = d
         last = self.dev_state[prev]
         rows = n - t0

@@ -6,6 +6,7 @@ per-layer KV / page-table buffer ("kv:k"). The runtime binds names to buffers on
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +15,7 @@ import numpy as np
 
 from . import ops
 from .errors import ModelFileError
-from .quant import get_format
+from .quant import dequant_kernel, get_format
 
 
 @dataclass
@@ -203,7 +204,8 @@ class Llama:
         q, kv = c.n_head * c.head_dim, c.n_kv * c.head_dim
         return {"tok": ("i32", T), "x": ("f32", T * c.dim), "xn": ("f32", T * c.dim), "q": ("f32", T * q),
                 "k": ("f32", T * kv), "v": ("f32", T * kv), "att": ("f32", T * q), "g": ("f32", T * c.ffn),
-                "u": ("f32", T * c.ffn), "h": ("f32", T * c.ffn), "logits": ("f32", T * c.vocab)}
+                "u": ("f32", T * c.ffn), "h": ("f32", T * c.ffn), "logits": ("f32", T * c.vocab),
+                "wdq": ("f32", max(c.ffn, q) * max(c.dim, q, c.ffn))}  # one layer matrix, dequantized
 
     def weight_shapes(self, unit):
         """tensor name -> (shape, True if read as f32 constant data rather than by a matmul)"""
@@ -227,16 +229,24 @@ class Llama:
         t = self.mf.tensor(name, shape)
         return get_format(t.type_name, shape[-1], f"{self.mf.path}: tensor {name!r}")
 
-    def _mm(self, name, x, y, rows, cols, acc=False, bias=None, logits=False):
-        """A matmul launch; only the LM head starts at the step's `t0`, layers need every token."""
+    def _mm(self, name, x, y, rows, cols, acc=False, bias=None, logits=False, prefill=False):
+        """Matmul launches; only the LM head starts at the step's `t0`, layers need every token. For prefill,
+        the weights are first dequantized to f32 once and reused by every token of the step."""
         fmt = self.fmt(name, (rows, cols))
-        k = ops.matmul(fmt, rows, cols, self.T, accumulate=acc, bias=bias is not None)
         bufs = {"w": f"w:{name}", "x": f"a:{x}", "y": f"a:{y}"}
         if bias:
             bufs["b"] = f"w:{bias}"
-        return LaunchTemplate(k, bufs, {} if logits else {"t0": "zero"})
+        scalars = {} if logits else {"t0": "zero"}
+        if not prefill:
+            return [LaunchTemplate(ops.matmul(fmt, rows, cols, self.T, accumulate=acc, bias=bias is not None),
+                                   bufs, scalars)]
+        f32 = get_format("F32", cols)
+        return [LaunchTemplate(dequant_kernel(fmt, rows, cols), {"w": f"w:{name}", "out": "a:wdq"}),
+                LaunchTemplate(ops.matmul(f32, rows, cols, self.T, accumulate=acc, bias=bias is not None),
+                               {**bufs, "w": "a:wdq"}, scalars)]
 
-    def unit_launches(self, unit):
+    def unit_launches(self, unit, prefill=False):
+        """The unit's launches for a decode step, or (prefill=True) for a step of many tokens."""
         c, T = self.cfg, self.T
         if unit == "embed":
             fmt = self.fmt("token_embd.weight", (c.vocab, c.dim))
@@ -244,26 +254,27 @@ class Llama:
                                    {"tok": "a:tok", "w": "w:token_embd.weight", "x": "a:x"})]
         if unit == "head":
             return [LaunchTemplate(ops.rmsnorm(c.dim, T, c.eps), {"x": "a:x", "w": "w:output_norm.weight", "out": "a:xn"}),
-                    self._mm(self.head_tensor, "xn", "logits", c.vocab, c.dim, logits=True)]
+                    *self._mm(self.head_tensor, "xn", "logits", c.vocab, c.dim, logits=True)]
         p, q, kv = f"blk.{unit}.", c.n_head * c.head_dim, c.n_kv * c.head_dim
         b = (lambda n: p + n + ".bias") if c.bias else (lambda n: None)
         cache = dict(page=self.page, n_pages=self.n_pages, max_pages=self.max_pages, kv_dtype=self.kv_dtype)
         kvb = {"ptab": "kv:ptab", "kc": "kv:k", "vc": "kv:v"}
+        mm = functools.partial(self._mm, prefill=prefill)
         return [
             LaunchTemplate(ops.rmsnorm(c.dim, T, c.eps), {"x": "a:x", "w": f"w:{p}attn_norm.weight", "out": "a:xn"}),
-            self._mm(p + "attn_q.weight", "xn", "q", q, c.dim, bias=b("attn_q")),
-            self._mm(p + "attn_k.weight", "xn", "k", kv, c.dim, bias=b("attn_k")),
-            self._mm(p + "attn_v.weight", "xn", "v", kv, c.dim, bias=b("attn_v")),
+            *mm(p + "attn_q.weight", "xn", "q", q, c.dim, bias=b("attn_q")),
+            *mm(p + "attn_k.weight", "xn", "k", kv, c.dim, bias=b("attn_k")),
+            *mm(p + "attn_v.weight", "xn", "v", kv, c.dim, bias=b("attn_v")),
             LaunchTemplate(ops.rope(c.n_head, c.head_dim, T), {"q": "a:q", "freq": "c:rope_freqs"}),
             LaunchTemplate(ops.rope(c.n_kv, c.head_dim, T), {"q": "a:k", "freq": "c:rope_freqs"}),
             LaunchTemplate(ops.kv_store(c.n_kv, c.head_dim, T, **cache), {"k": "a:k", "v": "a:v", **kvb}),
             LaunchTemplate(ops.attention(c.n_head, c.n_kv, c.head_dim, T, **cache), {"q": "a:q", "out": "a:att", **kvb}),
-            self._mm(p + "attn_output.weight", "att", "x", c.dim, q, acc=True),
+            *mm(p + "attn_output.weight", "att", "x", c.dim, q, acc=True),
             LaunchTemplate(ops.rmsnorm(c.dim, T, c.eps), {"x": "a:x", "w": f"w:{p}ffn_norm.weight", "out": "a:xn"}),
-            self._mm(p + "ffn_gate.weight", "xn", "g", c.ffn, c.dim),
-            self._mm(p + "ffn_up.weight", "xn", "u", c.ffn, c.dim),
+            *mm(p + "ffn_gate.weight", "xn", "g", c.ffn, c.dim),
+            *mm(p + "ffn_up.weight", "xn", "u", c.ffn, c.dim),
             LaunchTemplate(ops.silu_mul(c.ffn, T), {"g": "a:g", "u": "a:u", "h": "a:h"}),
-            self._mm(p + "ffn_down.weight", "h", "x", c.dim, c.ffn, acc=True),
+            *mm(p + "ffn_down.weight", "h", "x", c.dim, c.ffn, acc=True),
         ]
 
     def kv_bytes_per_layer(self):
@@ -280,6 +291,6 @@ def model_kernels(path, T=64, page=16, context=None, kv_dtype="f16"):
     m = Llama(mf, T, page, max_pages, max_pages, kv_dtype)
     seen = {}
     for u in m.units:
-        for lt in m.unit_launches(u):
+        for lt in m.unit_launches(u) + m.unit_launches(u, prefill=True):
             seen.setdefault(lt.kernel.key(), lt.kernel)
     return list(seen.values())

@@ -19,11 +19,13 @@ def embed(fmt: Format, vocab: int, dim: int, T: int) -> ir.Kernel:
     k.buffer("x", "f32", T * dim, True)
     n = k.scalar("n_tokens")
     nb = dim // fmt.block
-    with k.parallel("tb", n * nb) as tb:
+    with k.parallel("tbg", n * nb * fmt.groups) as tbg:
+        tb, g = (tbg, 0) if fmt.groups == 1 else (tbg // fmt.groups, tbg % fmt.groups)
         t, b = tb // nb, tb % nb
         base = (k.load("tok", t) * nb + b) * fmt.unit
-        with k.loop("j", fmt.block, "vector") as j:
-            k.store("x", t * dim + b * fmt.block + j, fmt.element(k, "w", base, j))
+        with k.loop("l", fmt.lanes, "vector") as l:
+            for j, w in fmt.terms(k, "w", base, g, l):
+                k.store("x", t * dim + b * fmt.block + j, w)
     return k.finish()
 
 

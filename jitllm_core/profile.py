@@ -18,25 +18,27 @@ def _median_time(fn, repeats):
     return float(np.median(ts))
 
 
-def profile_decode(eng, prompt_tokens=32, repeats=5):
-    """Rows of (unit, kernel, seconds, bytes read from weights) for one decode step at position prompt_tokens,
-    plus the whole step's time."""
+def profile_decode(eng, prompt_tokens=32, repeats=5, step_tokens=1):
+    """Rows of (unit, kernel, seconds, bytes read from weights) for one step of step_tokens tokens (1: a decode
+    step) at position prompt_tokens, plus the whole step's time."""
     seq = eng.new_sequence()
+    prefill = step_tokens > 1
     try:
         with eng._lock:
             eng._step(seq, list(range(1, prompt_tokens + 1)), prompt_tokens - 1)
-            values = {"pos": seq.n, "n_tokens": 1, "t0": 0, "zero": 0}
+            values = {"pos": seq.n, "n_tokens": step_tokens, "t0": step_tokens - 1, "zero": 0}
             rows = []
             for seg in eng.segments:
                 dev = eng.devices[seg.device]
                 for u in seg.units:
                     slot = seg.slot if seg.streamed is not None else None
-                    for ln in eng._bind(u, seg.device, slot=slot):
+                    for ln in eng._bind(u, seg.device, slot=slot, prefill=prefill):
                         prog = dev.program([Launch(ln.kernel, ln.buffers, ln.scalars)])
                         prog.run(values)
                         nbytes = sum(b.nbytes for p, b in ln.buffers.items() if p in ("w",))
                         rows.append((u, ln.kernel.name, _median_time(lambda: prog.run(values), repeats), nbytes))
-            whole = _median_time(lambda: [seg.program.run(values) for seg in eng.segments], repeats)
+            whole = _median_time(lambda: [(seg.prefill if prefill else seg.program).run(values)
+                                          for seg in eng.segments], repeats)
         return rows, whole
     finally:
         eng.free_sequence(seq)

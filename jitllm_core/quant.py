@@ -1,10 +1,11 @@
-"""Weight formats, each described once: block layout, and how to read one element or dot a block, in IR.
+"""Weight formats, each described once: block layout, and the values of a block, in IR.
 
 A tensor row of `cols` elements is `cols / block` blocks of `unit` storage elements (bytes for quantized
-formats, values for plain ones). `element(k, buf, base, j)` is element j of the block starting at storage index
-`base`; `group_dot(k, buf, base, g, lane, x)` is the contribution of lane `lane` of group `g` of that block to
-a dot product with x(j) -- written so that lanes are contiguous bytes, which is what makes it SIMD-friendly on
-every backend. A new format added here works on every backend.
+formats, values for plain ones). A block is read as `groups` groups of `lanes` lanes: `terms(k, buf, base, g,
+l)` lists, for lane l of group g of the block starting at storage index `base`, the (element index, value)
+pairs that lane yields -- written so that lanes read contiguous bytes, which is what makes them SIMD-friendly
+on every backend. Dot products (`row_dot`) and dequantization (`dequant_kernel`) are both derived from
+`terms`, so a new format added here works everywhere, with no plugin change.
 """
 from __future__ import annotations
 
@@ -43,58 +44,47 @@ class Format:
     def nbytes(self, rows, cols):
         return rows * self.row_units(cols) * ir.STORAGE_DTYPES[self.storage]
 
-    def element(self, k, buf, base, j):
+    def terms(self, k, buf, base, g, l):
         raise NotImplementedError
 
-    def group_dot(self, k, buf, base, g, l, x):
-        raise NotImplementedError
+    def _blocks(self, bg):
+        return (bg, 0) if self.groups == 1 else (bg // self.groups, bg % self.groups)
 
     def row_dot(self, k, buf, row, cols, x, kind="reduce"):
         """sum_c W[row, c] * x(c) as one Reduce over (block, group) of a vector Reduce over lanes."""
-        nb, G = cols // self.block, self.groups
+        nb = cols // self.block
 
         def outer(bg):
-            b, g = (bg, 0) if G == 1 else (bg // G, bg % G)
+            b, g = self._blocks(bg)
             base = (row * nb + b) * self.unit
-            return ir.reduce("add", "l", self.lanes,
-                             lambda l: self.group_dot(k, buf, base, g, l, lambda j: x(b * self.block + j)), "vector")
-        return ir.reduce("add", "bg", nb * G, outer, kind)
+
+            def lane(l):
+                ts = [w * x(b * self.block + j) for j, w in self.terms(k, buf, base, g, l)]
+                return sum(ts[1:], ts[0])
+            return ir.reduce("add", "l", self.lanes, lane, "vector")
+        return ir.reduce("add", "bg", nb * self.groups, outer, kind)
 
 
 class Plain(Format):
-    def element(self, k, buf, base, j):
-        return k.load(buf, base + j)
-
-    def group_dot(self, k, buf, base, g, l, x):
-        return k.load(buf, base + l) * x(l)
+    def terms(self, k, buf, base, g, l):
+        return [(l, k.load(buf, base + l))]
 
 
 class Q8_0(Format):
-    def element(self, k, buf, base, j):
-        return _half(k, buf, base) * F(_i8(k.load(buf, base + 2 + j)))
-
-    def group_dot(self, k, buf, base, g, l, x):
-        return _half(k, buf, base) * F(_i8(k.load(buf, base + 2 + l))) * x(l)
+    def terms(self, k, buf, base, g, l):
+        return [(l, _half(k, buf, base) * F(_i8(k.load(buf, base + 2 + l))))]
 
 
 class Q4_0(Format):
-    def element(self, k, buf, base, j):
-        q = (k.load(buf, base + 2 + j % 16) >> (j // 16 * 4)) & 15
-        return _half(k, buf, base) * F(q - 8)
-
-    def group_dot(self, k, buf, base, g, l, x):
+    def terms(self, k, buf, base, g, l):
         d, q = _half(k, buf, base), k.load(buf, base + 2 + l)
-        return d * F((q & 15) - 8) * x(l) + d * F((q >> 4) - 8) * x(l + 16)
+        return [(l, d * F((q & 15) - 8)), (l + 16, d * F((q >> 4) - 8))]
 
 
 class Q4_1(Format):
-    def element(self, k, buf, base, j):
-        q = (k.load(buf, base + 4 + j % 16) >> (j // 16 * 4)) & 15
-        return _half(k, buf, base) * F(q) + _half(k, buf, base + 2)
-
-    def group_dot(self, k, buf, base, g, l, x):
+    def terms(self, k, buf, base, g, l):
         d, m, q = _half(k, buf, base), _half(k, buf, base + 2), k.load(buf, base + 4 + l)
-        return (d * F(q & 15) + m) * x(l) + (d * F(q >> 4) + m) * x(l + 16)
+        return [(l, d * F(q & 15) + m), (l + 16, d * F(q >> 4) + m)]
 
 
 def _k4_scale_min(k, buf, base, s):
@@ -108,33 +98,18 @@ def _k4_scale_min(k, buf, base, s):
 
 
 class Q4_K(Format):
-    # d, dmin (f16), 12 bytes of packed 6-bit scales/mins, 128 bytes of nibbles; 8 sub-blocks of 32
-    def element(self, k, buf, base, j):
-        p, hi, l = j // 64, (j // 32) % 2, j % 32
-        sc, mn = _k4_scale_min(k, buf, base, p * 2 + hi)
-        q = (k.load(buf, base + 16 + p * 32 + l) >> (hi * 4)) & 15
-        return _half(k, buf, base) * sc * F(q) - _half(k, buf, base + 2) * mn
-
-    def group_dot(self, k, buf, base, p, l, x):
+    # d, dmin (f16), 12 bytes of packed 6-bit scales/mins, 128 bytes of nibbles; group p covers sub-blocks 2p, 2p+1
+    def terms(self, k, buf, base, p, l):
         d, dmin = _half(k, buf, base), _half(k, buf, base + 2)
         sc0, m0 = _k4_scale_min(k, buf, base, p * 2)
         sc1, m1 = _k4_scale_min(k, buf, base, p * 2 + 1)
         q = k.load(buf, base + 16 + p * 32 + l)
-        return ((d * sc0) * F(q & 15) - dmin * m0) * x(p * 64 + l) + \
-               ((d * sc1) * F(q >> 4) - dmin * m1) * x(p * 64 + 32 + l)
+        return [(p * 64 + l, (d * sc0) * F(q & 15) - dmin * m0), (p * 64 + 32 + l, (d * sc1) * F(q >> 4) - dmin * m1)]
 
 
 class Q6_K(Format):
-    # ql[128] low nibbles, qh[64] high 2-bit pairs, 16 int8 scales, d (f16); two halves of 128 elements
-    def element(self, k, buf, base, j):
-        n, r = j // 128, j % 128
-        quarter, l = r // 32, r % 32
-        ql = (k.load(buf, base + 64 * n + l + 32 * (quarter % 2)) >> (quarter // 2 * 4)) & 15
-        qh = (k.load(buf, base + 128 + 32 * n + l) >> (2 * quarter)) & 3
-        sc = _i8(k.load(buf, base + 192 + 8 * n + l // 16 + 2 * quarter))
-        return _half(k, buf, base + 208) * F(sc) * F((ql | (qh << 4)) - 32)
-
-    def group_dot(self, k, buf, base, g, j, x):
+    # ql[128] low nibbles, qh[64] high 2-bit pairs, 16 int8 scales, d (f16); group g = (half n, 16-lane part h)
+    def terms(self, k, buf, base, g, j):
         n, h = g // 2, g % 2
         l = h * 16 + j
         d = _half(k, buf, base + 208)
@@ -143,8 +118,7 @@ class Q6_K(Format):
         sc = lambda q: d * F(_i8(k.load(buf, base + 192 + 8 * n + h + 2 * q)))
         q = [(a & 15) | ((qh & 3) << 4), (b & 15) | (((qh >> 2) & 3) << 4),
              (a >> 4) | (((qh >> 4) & 3) << 4), (b >> 4) | (((qh >> 6) & 3) << 4)]
-        terms = [sc(i) * F(q[i] - 32) * x(128 * n + 32 * i + l) for i in range(4)]
-        return terms[0] + terms[1] + terms[2] + terms[3]
+        return [(128 * n + 32 * i + l, sc(i) * F(q[i] - 32)) for i in range(4)]
 
 
 FORMATS = {
@@ -173,12 +147,14 @@ def get_format(type_name, cols, where=""):
 
 
 def dequant_kernel(fmt: Format, rows: int, cols: int) -> ir.Kernel:
-    """W -> f32 rows (used by tests and by the embedding lookup's definition)."""
+    """W -> f32 rows: the reference definition of a format's values, and the first half of a prefill matmul."""
     k = ir.Kernel(f"dequant_{fmt.name}_{rows}x{cols}")
     k.buffer("w", fmt.storage, rows * fmt.row_units(cols))
     k.buffer("out", "f32", rows * cols, True)
     nb = cols // fmt.block
-    with k.parallel("rb", rows * nb) as rb:
-        with k.loop("j", fmt.block, "vector") as j:
-            k.store("out", rb * fmt.block + j, fmt.element(k, "w", rb * fmt.unit, j))
+    with k.parallel("rbg", rows * nb * fmt.groups) as rbg:
+        rb, g = (rbg, 0) if fmt.groups == 1 else (rbg // fmt.groups, rbg % fmt.groups)
+        with k.loop("l", fmt.lanes, "vector") as l:
+            for j, w in fmt.terms(k, "w", rb * fmt.unit, g, l):
+                k.store("out", rb * fmt.block + j, w)
     return k.finish()

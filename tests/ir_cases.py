@@ -90,6 +90,16 @@ def reductions(rows=5, cols=45):
     return k
 
 
+def long_reduction(rows=3, cols=203):
+    """Long enough for a backend to split the reduction over several accumulators; not a multiple of 16."""
+    k = ir.Kernel("long_reduction")
+    k.buffer("x", "f32", rows * cols), k.buffer("o", "f32", rows * 2, True)
+    with k.parallel("r", rows) as r:
+        k.store("o", r * 2, ir.reduce("add", "c", cols, lambda c: k.load("x", r * cols + c), "vector"))
+        k.store("o", r * 2 + 1, ir.reduce("max", "c", cols, lambda c: k.load("x", r * cols + c), "vector"))
+    return k
+
+
 def vector_loops(n=50):
     k = ir.Kernel("vector_loops")
     k.buffer("x", "f32", n), k.buffer("idx", "i32", n), k.buffer("o", "f32", n * 3, True)
@@ -165,6 +175,7 @@ CASES = {
     "storage_types": (storage_types, {}),
     "half_bits": (half_bits, {}),
     "reductions": (reductions, {"n": 13}),
+    "long_reduction": (long_reduction, {}),
     "vector_loops": (vector_loops, {}),
     "locals_and_ifs": (locals_and_ifs, {}),
     "barriers": (barriers, {}),

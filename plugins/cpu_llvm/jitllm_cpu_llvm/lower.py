@@ -20,6 +20,7 @@ COMPUTE = {"f32": F32, "i32": I32, "bool": I1}
 STORAGE = {"f32": F32, "f16": F16, "bf16": I16, "u8": I8, "i8": I8, "i32": I32}
 FM = ("contract",)  # lets LLVM fuse multiply-add; reductions are reassociated only by this lowering
 UNROLL_MAX = 64
+UNROLL_ACCS = 4  # vector accumulators of a long reduction
 
 BARRIER_IR = """
 declare i32 @sched_yield()
@@ -360,10 +361,20 @@ class KernelLowering:
             return acc
         inner = e.value
         if isinstance(inner, ir.Reduce) and inner.kind == "vector" and inner.op == e.op and self.vectorizable_expr(inner.value):
-            # reduce of a vector reduce: one vector accumulator across both loops
-            accs = self.vector_accumulators(e.op, dt)
-            self.loop(L.Constant(I32, 0), ext, lambda i: self.with_bind({e.var: i}, lambda: self.vector_reduce_into(inner, accs)))
-            return self.finish_accumulators(e.op, dt, accs)
+            # reduce of a vector reduce: vector accumulators across both loops (one horizontal sum per row);
+            # consecutive outer iterations use different accumulators so the add latency does not bound them
+            U = UNROLL_ACCS if isinstance(ext, L.Constant) and ext.constant >= 2 * UNROLL_ACCS else 1
+            accs = [self.vector_accumulators(e.op, dt) for _ in range(U)]
+            into = lambda i, a: self.with_bind({e.var: i}, lambda: self.vector_reduce_into(inner, a))
+            main = L.Constant(I32, ext.constant - ext.constant % U) if U > 1 else ext
+            self.loop(L.Constant(I32, 0), main,
+                      lambda i: [into(self.b.add(i, L.Constant(I32, u)), a) for u, a in enumerate(accs)], step=U)
+            if U > 1 and ext.constant % U:
+                self.loop(main, ext, lambda i: into(i, accs[0]))
+            for a in accs[1:]:
+                for mine, theirs in zip(accs[0], a):
+                    self.b.store(self.combine(e.op, self.b.load(mine), self.b.load(theirs), dt), mine)
+            return self.finish_accumulators(e.op, dt, accs[0])
         if e.kind == "vector" and self.vectorizable_expr(e.value):
             accs = self.vector_accumulators(e.op, dt)
             self.vector_reduce_into(e, accs)
@@ -506,13 +517,25 @@ class KernelLowering:
         vacc, sacc = accs
         dt = e.value.dtype
         ext = self.expr(e.extent)
-        main = self.split_extent(ext)
+        W = self.W
 
-        def vbody(i):
+        def chunk(acc, i):
             v = self.to_vec(self.vexpr(e.value, {e.var: VVal("lin", i, 1)}), dt)
-            self.b.store(self.combine(e.op, self.b.load(vacc), v, dt), vacc)
-        self.loop(L.Constant(I32, 0), main, vbody, step=self.W)
-        if not (isinstance(ext, L.Constant) and ext.constant % self.W == 0):
+            self.b.store(self.combine(e.op, self.b.load(acc), v, dt), acc)
+        done = L.Constant(I32, 0)
+        if isinstance(ext, L.Constant) and ext.constant >= UNROLL_ACCS * W:
+            # long reductions: several accumulators, so that the add latency does not bound the loop
+            extra = [self.vector_accumulators(e.op, dt)[0] for _ in range(UNROLL_ACCS - 1)]
+            accs4 = [vacc] + extra
+            done = L.Constant(I32, ext.constant - ext.constant % (UNROLL_ACCS * W))
+            self.loop(L.Constant(I32, 0), done,
+                      lambda i: [chunk(a, self.b.add(i, L.Constant(I32, u * W))) for u, a in enumerate(accs4)],
+                      step=UNROLL_ACCS * W)
+            for a in extra:
+                self.b.store(self.combine(e.op, self.b.load(vacc), self.b.load(a), dt), vacc)
+        main = self.split_extent(ext)
+        self.loop(done, main, lambda i: chunk(vacc, i), step=W)
+        if not (isinstance(ext, L.Constant) and ext.constant % W == 0):
             def sbody(i):
                 v = self.with_bind({e.var: i}, lambda: self.expr(e.value))
                 self.b.store(self.combine(e.op, self.b.load(sacc), v, dt), sacc)

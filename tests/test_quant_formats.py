@@ -1,0 +1,65 @@
+"""Every weight format described in the core, dequantized and dotted on cpu_llvm, against the gguf package's own
+NumPy dequantizers (an independent reference), on random blocks and odd row counts."""
+import numpy as np
+import pytest
+
+from backend_check import run_on_device
+from jitllm_core import interp, ir, quant
+
+gguf = pytest.importorskip("gguf")
+HALF_OFFSETS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [208]}
+
+
+def random_tensor(name, rows, cols, rng):
+    """(storage array, reference f32 values): random blocks with finite f16 scales, dequantized by gguf."""
+    fmt = quant.get_format(name, cols)
+    if fmt.storage == "u8":
+        nb = rows * cols // fmt.block
+        raw = rng.integers(0, 256, (nb, fmt.unit)).astype(np.uint8)
+        for o in HALF_OFFSETS[name]:
+            raw[:, o:o + 2] = (rng.standard_normal(nb) * 0.01).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        raw = raw.reshape(rows, -1)
+        ref = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, name)).reshape(rows, cols)
+        return raw.reshape(-1), ref.astype(np.float32)
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    if name == "F16":
+        w = x.astype(np.float16).reshape(-1)
+        return w, w.astype(np.float32).reshape(rows, cols)
+    if name == "BF16":
+        w = gguf.quants.quantize(x, gguf.GGMLQuantizationType.BF16).view(np.uint16).reshape(-1)
+        return w, interp.bf16_to_f32(w).reshape(rows, cols)
+    return x.reshape(-1), x
+
+
+@pytest.mark.parametrize("name", sorted(quant.FORMATS))
+@pytest.mark.parametrize("rows", [1, 3, 7])
+def test_dequantize_matches_gguf(cpu, name, rows):
+    cols = 512
+    w, ref = random_tensor(name, rows, cols, np.random.default_rng(rows))
+    k = quant.dequant_kernel(quant.get_format(name, cols), rows, cols)
+    got = run_on_device(cpu, k, {"w": w, "out": np.zeros(rows * cols, np.float32)}, {})["out"]
+    np.testing.assert_array_equal(got.reshape(rows, cols), ref)
+
+
+@pytest.mark.parametrize("name", sorted(quant.FORMATS))
+def test_row_dot_matches_gguf(cpu, name):
+    rows, cols = 5, 768
+    rng = np.random.default_rng(7)
+    w, ref = random_tensor(name, rows, cols, rng)
+    fmt = quant.get_format(name, cols)
+    k = ir.Kernel(f"dot_{name}")
+    k.buffer("w", fmt.storage, w.size), k.buffer("x", "f32", cols), k.buffer("y", "f32", rows, True)
+    with k.parallel("r", rows) as r:
+        k.store("y", r, fmt.row_dot(k, "w", r, cols, lambda c: k.load("x", c)))
+    x = rng.standard_normal(cols).astype(np.float32)
+    y = run_on_device(cpu, k.finish(), {"w": w, "x": x, "y": np.zeros(rows, np.float32)}, {})["y"]
+    want = ref.astype(np.float64) @ x
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_unsupported_format_is_named():
+    from jitllm_core.errors import ModelFileError
+    with pytest.raises(ModelFileError, match="Q5_K is not supported"):
+        quant.get_format("Q5_K", 256, "model.gguf: tensor 'blk.0.attn_q.weight'")
+    with pytest.raises(ModelFileError, match="not a multiple"):
+        quant.get_format("Q4_K", 200, "model.gguf: tensor 'x'")
