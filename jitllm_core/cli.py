@@ -14,7 +14,7 @@ import time
 from collections import deque
 
 from .errors import JitllmError
-from .plan_cli import add_plan_arguments, run_plan
+from .plan_cli import add_plan_arguments, parse_mem, run_plan
 
 INSTALL_HINT = ("Install the CPU backend:  pip install jitllm-cpu-llvm\n"
                 "  (from a checkout of the repository:  pip install ./plugins/cpu_llvm)")
@@ -45,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--device", action="append", metavar="D",
                         help="device to use, e.g. cpu, cpu:1, vulkan:0 (repeatable; default: all available)")
     engine.add_argument("--kv-dtype", choices=("f16", "f32"), default="f16", help="KV cache dtype (default f16)")
+    engine.add_argument("--mem", action="append", default=[], metavar="DEV=SIZE",
+                        help="cap a device's memory, e.g. vulkan:0=60MB (repeatable); the planner fits under it")
+    engine.add_argument("--n-device-layers", type=int, metavar="N",
+                        help="llama.cpp's knob: N units on the best accelerator, the rest computed on the host")
+    engine.add_argument("--max-context", type=int, metavar="N", help="KV cache positions (default: the model's)")
     threads = argparse.ArgumentParser(add_help=False)
     threads.add_argument("--threads", type=int, metavar="N", help="CPU threads (default: all cores)")
     sampling = argparse.ArgumentParser(add_help=False)
@@ -73,7 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("devices", help="backends and devices found, with the reason for any that is missing")
     p.set_defaults(func=cmd_devices)
 
-    p = sub.add_parser("bench", parents=[engine], help="prompt and decode tokens/s, beside llama.cpp if installed")
+    p = sub.add_parser("bench", parents=[engine], help="prompt and decode tokens/s, beside llama.cpp if installed; "
+                       "`bench migrate`: pause time of live migration")
+    p.add_argument("what", nargs="?", choices=("speed", "migrate"), default="speed",
+                   help="speed (default): prompt and decode tokens/s; migrate: move all layers between devices")
+    p.add_argument("--profile", action="store_true",
+                   help="also print time, bytes and GB/s per kernel of one decode and one prefill step")
+    p.add_argument("--history", type=int, nargs="+", default=[256, 1800, 7000], metavar="N",
+                   help="bench migrate: tokens of history before the move (default 256 1800 7000)")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2], metavar="N", help="thread counts (default 1 2)")
     p.add_argument("--prompt-tokens", type=int, default=37, metavar="N")
     p.add_argument("--decode-tokens", type=int, default=64, metavar="N")
@@ -119,7 +131,9 @@ def open_engine(args):
 
     bar = ProgressBar(sys.stderr) if sys.stderr.isatty() else None
     try:
-        return Engine(model=args.model, devices=args.device, threads=args.threads, kv_dtype=args.kv_dtype, progress=bar)
+        return Engine(model=args.model, devices=args.device, threads=args.threads, kv_dtype=args.kv_dtype,
+                      progress=bar, mem=parse_mem(args.mem), n_device_layers=args.n_device_layers,
+                      max_context=args.max_context)
     finally:
         if bar:
             bar.clear()
@@ -330,11 +344,24 @@ def cmd_devices(args) -> int:
 # ------------------------------------------------------------------------------------------------ bench
 
 def cmd_bench(args) -> int:
+    if args.what == "migrate":
+        from .bench_migrate import run
+        run(model=args.model, histories=args.history)
+        return 0
     from .bench import run_bench
 
     run_bench(model=args.model, devices=args.device, kv_dtype=args.kv_dtype, threads=args.threads,
               prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, repeats=args.repeats,
               llama_cpp=args.llama_cpp)
+    if args.profile:
+        from .engine import Engine
+        from .profile import print_profile, profile_decode
+        for threads in args.threads:
+            eng = Engine(model=args.model, devices=args.device, threads=threads, kv_dtype=args.kv_dtype)
+            for tokens, what in ((1, "decode step"), (64, "prefill step of 64 tokens")):
+                print(f"\nprofile: {what}, {threads} thread(s), one launch at a time")
+                print_profile(*profile_decode(eng, step_tokens=tokens))
+            eng.close()
     return 0
 
 

@@ -6,7 +6,6 @@ boundary.
 """
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -278,7 +277,7 @@ class Engine:
         need = {}
         for u in units:
             for name in self.model.weight_shapes(u):
-                need[_role(name)] = max(need.get(_role(name), 0), self._tensor_bytes(name, u))
+                need[_role(name)] = max(need.get(_role(name), 0), self.model.tensor_bytes(name, u))
         ds = self._state(dev_name)
         if ds.slots and all(ds.slots[0].get(r) is not None and ds.slots[0][r].nbytes >= n for r, n in need.items()):
             return
@@ -304,16 +303,8 @@ class Engine:
 
     def _weight_bytes(self):
         """Weight bytes one decode step reads: every unit's tensors, but only one row of the embedding."""
-        return sum(self._unit_bytes(u) // (self.config.vocab if u == "embed" else 1) for u in self.model.units)
+        return sum(self.model.unit_bytes(u) // (self.config.vocab if u == "embed" else 1) for u in self.model.units)
 
-    @functools.lru_cache(maxsize=None)
-    def _unit_bytes(self, unit):
-        return sum(self._tensor_bytes(t, unit) for t in self.model.weight_shapes(unit))
-
-    def _tensor_bytes(self, name, unit):
-        """Bytes of a weight as a device holds it (norms and biases become f32)."""
-        shape, as_f32 = self.model.weight_shapes(unit)[name]
-        return int(np.prod(shape)) * 4 if as_f32 else len(self.mf.tensors[name].raw())
 
     # ------------------------------------------------------------------ sequences and steps
     def new_sequence(self):
@@ -399,7 +390,7 @@ class Engine:
         s["tokens"] += n
         kv_row = c.n_kv * c.head_dim * (2 if self.kv_dtype == "f16" else 4) * 2
         for u, st in self.units.items():
-            b = self._unit_bytes(u)
+            b = self.model.unit_bytes(u)
             if st.pool is not None:
                 b += kv_row * (pos + n)
             self._account("bytes_read", st.device, b)

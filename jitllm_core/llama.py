@@ -225,6 +225,15 @@ class Llama:
                       p + "attn_v.bias": ((kv,), True)})
         return w
 
+    def tensor_bytes(self, name, unit):
+        """Bytes of a weight as a device holds it (norms and biases become f32)."""
+        shape, as_f32 = self.weight_shapes(unit)[name]
+        return int(math.prod(shape)) * 4 if as_f32 else len(self.mf.tensors[name].raw())
+
+    @functools.lru_cache(maxsize=None)
+    def unit_bytes(self, unit):
+        return sum(self.tensor_bytes(t, unit) for t in self.weight_shapes(unit))
+
     def fmt(self, name, shape):
         t = self.mf.tensor(name, shape)
         return get_format(t.type_name, shape[-1], f"{self.mf.path}: tensor {name!r}")

@@ -13,7 +13,7 @@ from .errors import JitllmError
 
 # an accelerator beats the CPU backend; a Vulkan device that is itself a CPU emulation (lavapipe) does not
 _RANK = {"cuda": 3, "vulkan": 2, "cpu": 1}
-RESIDENCIES = ("resident", "streamed")
+RESIDENCIES = ("resident", "streamed")  # host-compute is "resident on the host CPU device"
 
 
 def _rank(dev):
@@ -38,7 +38,7 @@ def _planned(eng, n_device_layers):
     """One device, or everything fits the best one: all there. Otherwise the cost model decides."""
     units, devices = eng.model.units, eng.devices
     best = max(devices.values(), key=_rank).name
-    shp = planner.shape(eng)
+    shp = planner.shape(eng.model)
     fits = eng.arenas[best].free_bytes >= sum(shp.unit_bytes) + sum(shp.kv_bytes) + _activation_bytes(eng)
     if len(devices) == 1 or (n_device_layers is None and fits):
         return {u: (best, "resident") for u in units}
@@ -55,8 +55,12 @@ def _planned(eng, n_device_layers):
 
 
 def _activation_bytes(eng):
+    return activation_bytes(eng.model)
+
+
+def activation_bytes(model):
     """Per-device activations and constants, which every device that runs a unit holds besides its units."""
-    return sum(size * 4 for _, size in eng.model.activations().values()) + eng.rope_freqs.nbytes + (1 << 20)
+    return sum(size * 4 for _, size in model.activations().values()) + (1 << 20)
 
 
 def _explicit(placement, units, devices):
@@ -77,6 +81,8 @@ def _explicit(placement, units, devices):
     missing = [u for u in layers if u not in out]
     if missing:
         raise JitllmError(f"placement: layers {missing[0]}..{missing[-1]} have no device")
+    if "embed" not in out and out[layers[0]][1] == "streamed":
+        raise JitllmError("placement: say where 'embed' goes when layer 0 is streamed")
     out.setdefault("embed", (out[layers[0]][0], "resident"))
     out.setdefault("head", (out[layers[-1]][0], "resident"))
     return {u: out[u] for u in units}

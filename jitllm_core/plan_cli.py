@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .costmodel import (GB, Hardware, ModelShape, Prediction, RESTS, candidates, choose, load_hardware_toml,
@@ -22,13 +23,21 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare-unified", metavar="GBS", type=float,
                         help="with the sweep (implied): where host-compute falls below a unified-memory "
                              "machine of GBS GB/s holding the whole model")
+    parser.add_argument("-m", "--model", help="model to plan for this machine's devices (default: the default model)")
+    parser.add_argument("--mem", action="append", default=[], metavar="DEV=SIZE",
+                        help="cap a device's memory, e.g. vulkan:0=60MB (repeatable)")
+    parser.add_argument("--context", type=int, metavar="N", help="KV cache positions to plan for (default 4096)")
+    parser.add_argument("--measure", type=int, metavar="N",
+                        help="also run N tokens with each layout and print what the engine counted")
 
 
 def run_plan(args: argparse.Namespace) -> int:
     if args.what_if is None:
-        print("jitllm plan: planning for this machine's devices is not available yet; "
-              "use --what-if HW_FILE", file=sys.stderr)
-        return 2
+        try:
+            return run_plan_here(args)
+        except JitllmError as e:
+            print(f"jitllm: error: {e}", file=sys.stderr)
+            return 2
     try:
         hw, shape = load_hardware_toml(args.what_if)
         if shape is None:
@@ -47,8 +56,81 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_mem(items) -> dict:
+    """['vulkan:0=60MB', ...] -> {'vulkan:0': '60MB'}"""
+    out = {}
+    for item in items:
+        dev, eq, size = item.partition("=")
+        if not eq or not dev or not size:
+            raise JitllmError(f"--mem {item!r}: expected DEVICE=SIZE, e.g. vulkan:0=60MB")
+        out[dev] = size
+    return out
+
+
+def run_plan_here(args) -> int:
+    """Plan for the devices of this machine (measured bandwidths) and a real model file."""
+    from . import planner, registry
+    from .engine import PAGE, STEP_TOKENS, Engine
+    from .llama import Llama, ModelFile
+    from .memory import Arena
+    from .models import default_model_path
+    from .placement import activation_bytes
+
+    path = args.model or default_model_path()
+    devs = dict(registry.all_devices())
+    if args.device:
+        accel = registry.device(args.device)
+        devs = {n: d for n, d in devs.items() if d.backend == "cpu"}
+        devs[accel.name] = accel
+    host = next((n for n, d in devs.items() if d.backend == "cpu"), None)
+    if host is None:
+        raise JitllmError("planning needs the CPU backend (the host) among the devices")
+    mem = parse_mem(args.mem)
+    arenas = {n: Arena(d, mem.get(n)) for n, d in devs.items()}
+    context = args.context or 4096
+    pages = -(-context // PAGE)
+    model = Llama(ModelFile(path), STEP_TOKENS, PAGE, pages, pages, "f16")
+    hw = planner.hardware(devs, arenas, host, reserve=activation_bytes(model))
+    shape = planner.shape(model)
+    rows, chosen = plan_rows(hw, shape, None, args.n_device_layers, planner.candidates)
+    if args.json:
+        print(json.dumps([p.to_dict() | {"chosen": p is chosen} for p in rows]))
+    else:
+        print(f"{os.path.basename(path)}, {context} positions of f16 KV cache; host {host}")
+        plan_table(rows, chosen)
+    if args.measure:
+        measure(path, rows, devs, mem, context, args.measure, Engine, planner)
+    return 0
+
+
+def measure(path, rows, devs, mem, context, n, Engine, planner):
+    """Run each fitting layout for n tokens; print measured tok/s and the engine's counters per token."""
+    print(f"\nmeasured over {n} decode tokens (counters per token):")
+    header = ["layout", "pred tok/s", "tok/s", "GB read per device", "crossings", "pred crossings"]
+    table = []
+    for p in rows:
+        if not p.fits:
+            continue
+        placement = planner.to_placement(p.layout, None)
+        eng = Engine(path, devices=list(devs), placement=placement, mem=mem, max_context=context)
+        try:
+            eng.generate("Hello", max_tokens=2, ignore_eos=True)
+            eng.reset_stats()
+            r = eng.generate("Tell me a story about a lighthouse.", max_tokens=n, ignore_eos=True)
+            steps = max(1, eng.stats["steps"])
+            tps = r.timings["decode_tokens"] / r.timings["decode_s"] if r.timings["decode_s"] else 0.0
+            reads = ", ".join(f"{d} {b / steps / GB:.3f}" for d, b in eng.stats["bytes_read"].items())
+            table.append([p.layout.label(), f"{p.tokens_per_s:.1f}", f"{tps:.1f}", reads,
+                          f"{eng.stats['crossings'] / steps:.0f}", str(p.crossings)])
+        finally:
+            eng.close()
+    widths = [max(len(r[i]) for r in [header] + table) for i in range(len(header))]
+    for r in [header] + table:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
 def plan_rows(hw: Hardware, shape: ModelShape, accel: str | None = None,
-              extra_device_layers=()) -> tuple[list[Prediction], Prediction]:
+              extra_device_layers=(), candidates=candidates) -> tuple[list[Prediction], Prediction]:
     """The table's rows, best first: the best fitting layout of each family (auto's choice among them), and
     the layouts with each of extra_device_layers units on the device, fitting or not."""
     predictions = [predict(layout, hw, shape) for layout in candidates(hw, shape, accel)]

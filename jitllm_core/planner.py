@@ -12,7 +12,9 @@ import time
 import numpy as np
 
 from . import costmodel as cm
+from . import ir
 from .cache import cache_dir, digest
+from .plugin import Launch
 
 
 def _measured(key, fn):
@@ -24,14 +26,25 @@ def _measured(key, fn):
     return value
 
 
-def host_read_bandwidth():
-    """STREAM-style read: bytes summed per second over an array much larger than the caches."""
+def device_bandwidth(dev):
+    """STREAM-style read bandwidth of a device's memory, measured with a kernel of its own: every row of a
+    64 MB matrix summed, rows spread over the device's threads or workgroups."""
     def run():
-        a = np.ones(32 << 20, np.float64)  # 256 MB
-        a.sum()
-        best = min(_timed(a.sum) for _ in range(3))
-        return a.nbytes / best
-    return _measured(("host-read", _cpu_model()), run)
+        rows, cols = 4096, 4096
+        k = ir.Kernel(f"read_bandwidth_{rows}x{cols}")
+        k.buffer("x", "f32", rows * cols), k.buffer("y", "f32", rows, True)
+        with k.parallel("r", rows) as r:
+            k.store("y", r, ir.reduce("add", "c", cols, lambda c: k.load("x", r * cols + c), "reduce"))
+        x, y = dev.alloc(rows * cols * 4), dev.alloc(rows * 4)
+        try:
+            dev.upload(x, np.ones(rows * cols, np.float32))
+            prog = dev.program([Launch(k.finish(), {"x": x, "y": y})])
+            prog.run({})
+            return rows * cols * 4 / min(_timed(lambda: prog.run({})) for _ in range(3))
+        finally:
+            dev.free(x)
+            dev.free(y)
+    return _measured(("device-read", dev.backend, dev.describe()), run)
 
 
 def link_bandwidth(dev):
@@ -55,20 +68,12 @@ def _timed(fn):
     return time.perf_counter() - t
 
 
-def _cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("model name")), "cpu")
-    except OSError:
-        return "cpu"
-
-
 def hardware(devices: dict, arenas: dict, host: str, reserve=0) -> cm.Hardware:
     """The devices as the cost model sees them; `reserve` bytes of each are kept for activations."""
-    host_bw = host_read_bandwidth()
+    host_bw = device_bandwidth(devices[host])
     devs, links = [], []
     for name, d in devices.items():
-        bw = host_bw if name == host else (d.caps.bandwidth_Bps or host_bw)
+        bw = d.caps.bandwidth_Bps or device_bandwidth(d)
         devs.append(cm.Device(name, max(0, arenas[name].free_bytes - reserve), bw, host=name == host))
         if name != host:
             if d.backend == "cpu":  # another CPU partition: a memcpy in the same memory
@@ -79,21 +84,29 @@ def hardware(devices: dict, arenas: dict, host: str, reserve=0) -> cm.Hardware:
     return cm.Hardware(devs, links)
 
 
-def shape(eng) -> cm.ModelShape:
-    m = eng.model
-    units = m.units
-    weights = [sum(eng._tensor_bytes(n, u) for n in m.weight_shapes(u)) for u in units]
-    kv = [m.kv_bytes_per_layer() if isinstance(u, int) else 0 for u in units]
-    return cm.ModelShape(len(units), weights, kv, eng.config.dim * 4)
+def shape(model) -> cm.ModelShape:
+    """The cost model's view of a Llama (its units' weight and KV bytes, one activation row)."""
+    units = model.units
+    kv = [model.kv_bytes_per_layer() if isinstance(u, int) else 0 for u in units]
+    return cm.ModelShape(len(units), [model.unit_bytes(u) for u in units], kv, model.cfg.dim * 4)
 
 
-def candidates(hw, shp):
+def candidates(hw, shp, accel=None):
     """The cost model's candidates that this engine can run (see the module docstring)."""
-    return [lay for lay in cm.candidates(hw, shp) if all(res != "host-compute" for _, res in lay.units)]
+    return [lay for lay in cm.candidates(hw, shp, accel) if all(res != "host-compute" for _, res in lay.units)]
 
 
-def to_placement(layout: cm.Layout, units) -> dict:
-    return {u: (dev, res) for u, (dev, res) in zip(units, layout.units)}
+def to_placement(layout: cm.Layout, units=None) -> dict:
+    """unit -> (device, residency) for the engine's units; without units, the engine's placement argument
+    {device: {residency: [unit index, ...]}} with the model's units in order (embed, layers, head)."""
+    if units is not None:
+        return {u: (dev, res) for u, (dev, res) in zip(units, layout.units)}
+    n = len(layout.units)
+    names = ["embed"] + list(range(n - 2)) + ["head"]
+    out = {}
+    for u, (dev, res) in zip(names, layout.units):
+        out.setdefault(dev, {}).setdefault(res, []).append(u)
+    return out
 
 
 def from_placement(placement: dict, units) -> cm.Layout:

@@ -33,7 +33,7 @@ def test_streamed_and_host_compute_match_all_resident(default_model, reference):
     # counters against the arithmetic: each streamed layer's weights cross once per step, the activation
     # crosses at the embed->layer 0... boundary only where devices change
     steps = eng.stats["steps"]
-    layer_bytes = sum(eng._tensor_bytes(n, 8) for n in eng.model.weight_shapes(8))
+    layer_bytes = eng.model.unit_bytes(8)
     assert eng.stats["bytes_crossed"]["host->cpu:1"] == 12 * layer_bytes * steps
     act = [eng.config.dim * 4 * n for n in [len(ids)] + [1] * (steps - 1)]
     assert eng.stats["bytes_crossed"]["cpu:1->cpu:0"] == sum(act)
@@ -44,7 +44,7 @@ def test_streamed_and_host_compute_match_all_resident(default_model, reference):
 def test_auto_splits_under_caps_and_counters_match_plan(default_model, reference):
     ids, want = reference
     probe = jl.Engine(default_model, devices=["cpu:0"], kv_dtype="f32", max_context=512)
-    shp = planner.shape(probe)
+    shp = planner.shape(probe.model)
     total = sum(shp.unit_bytes) + sum(shp.kv_bytes)
     probe.close()
     caps = {"cpu:0": int(total * 0.75), "cpu:1": int(total * 0.75)}  # neither holds the model alone

@@ -1,0 +1,143 @@
+"""HF safetensors folders (config.json + *.safetensors + tokenizer files) through the engine on the CPU,
+against HF transformers running the very same folder.
+
+The models are small and random (built here with transformers, seeded), with SmolLM2's tokenizer saved
+beside them: a Llama (GQA, separate LM head) in float32 and again in bfloat16 / float16 (the engine then
+reads BF16 / F16 tensors; the reference runs that same model upcast to float32), and a Qwen2-style model
+(q/k/v biases).
+"""
+import os
+
+import numpy as np
+import pytest
+
+import jitllm_core as jl
+from reference import agreeing_prefix
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [
+    "The history of the printing press begins in China, where woodblock printing was used for centuries before "
+    "movable type appeared in Europe.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n# Usage:\n",
+]
+TOKENIZER_STRINGS = PROMPTS + [
+    "Ünïcödé, emoji 🚀 and numbers 12345!",
+    "  leading spaces,\ttabs\n\nand blank lines  ",
+    "<|im_start|>user\nHi<|im_end|>",
+    "",
+]
+SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+             intermediate_size=512, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
+             tie_word_embeddings=False)
+VARIANTS = {  # name -> (config class name, extra config, dtype saved)
+    "llama-f32": ("LlamaConfig", {}, "float32"),
+    "llama-bf16": ("LlamaConfig", {}, "bfloat16"),
+    "llama-f16": ("LlamaConfig", {}, "float16"),
+    "qwen2-f32": ("Qwen2Config", {}, "float32"),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(default_model):
+    pytest.importorskip("gguf")
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(default_model),
+                                                      gguf_file=os.path.basename(default_model))
+
+
+def _build(folder, variant, tokenizer):
+    """Writes a random model of `variant` into `folder`; returns the float32 torch model it holds."""
+    cls_name, extra, dtype = VARIANTS[variant]
+    config = getattr(transformers, cls_name)(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                                             eos_token_id=tokenizer.eos_token_id, **SHAPE, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():  # a wider init than the default 0.02, so that logits are far from flat
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+            elif p.dim() == 2:
+                p.normal_(0.0, 0.06)
+            else:  # norms: around 1, not exactly 1, so that a missing weight shows
+                p.uniform_(0.5, 1.5)
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return model.float().eval()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, hf_tokenizer):
+    torch.set_num_threads(os.cpu_count() or 1)
+    root = tmp_path_factory.mktemp("hf_models")
+    built = {}
+    for variant in VARIANTS:
+        folder = root / variant
+        built[variant] = (str(folder), _build(folder, variant, hf_tokenizer))
+    return built
+
+
+@pytest.fixture(scope="module")
+def engines(cpu, models):
+    made = {}
+    yield lambda variant: made.get(variant) or made.setdefault(
+        variant, jl.Engine(models[variant][0], devices=["cpu"], kv_dtype="f32"))
+    for e in made.values():
+        e.close()
+
+
+def _reference(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def test_folder_is_what_the_test_means(models):
+    folder, _ = models["llama-f32"]
+    names = set(os.listdir(folder))
+    assert {"config.json", "tokenizer.json"} <= names and any(n.endswith(".safetensors") for n in names)
+    from jitllm_core.safetensors import SafetensorsFolder
+    for variant, want in (("llama-f32", "F32"), ("llama-bf16", "BF16"), ("llama-f16", "F16")):
+        st = SafetensorsFolder(models[variant][0])
+        assert "lm_head.weight" in st.tensors  # not tied
+        assert st.tensors["model.layers.0.self_attn.k_proj.weight"].shape == (64, 256)  # GQA: 2 KV heads of 32
+        assert {t.type_name for t in st.tensors.values()} == {want}
+    assert "model.layers.0.self_attn.q_proj.bias" in SafetensorsFolder(models["qwen2-f32"][0]).tensors
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("prompt", range(len(PROMPTS)))
+def test_score_matches_transformers(engines, models, variant, prompt):
+    eng = engines(variant)
+    ids = (eng.tokenizer.encode(PROMPTS[prompt]) * 3)[:80]  # ≥ 32 positions, more than one step of 64
+    assert len(ids) >= 32
+    got, want = eng.score(ids), _reference(models[variant][1], ids)
+    assert got.shape == want.shape == (len(ids), 49152) and got.dtype == np.float32
+    assert want.std() > 0.05  # the logits are not trivially small: a wrong model cannot pass by accident
+    assert np.abs(got - want).max() <= 1e-3
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_greedy_matches_transformers(engines, models, variant):
+    eng = engines(variant)
+    checked = 0
+    for prompt in PROMPTS:
+        ids = eng.tokenizer.encode(prompt)
+        out = eng.generate(ids, max_tokens=12, ignore_eos=True).token_ids
+        assert len(out) == 12
+        ref = _reference(models[variant][1], ids + out)
+        n = agreeing_prefix(ref, out, len(ids) - 1)
+        assert out[:n] == list(ref[len(ids) - 1:len(ids) - 1 + n].argmax(-1))
+        checked += n
+    assert checked >= 6  # margins on a random model are wide enough for most tokens to be checked
+
+
+def test_tokenizer_matches_hf(engines, hf_tokenizer, models):
+    eng = engines("llama-f32")
+    saved = transformers.AutoTokenizer.from_pretrained(models["llama-f32"][0])
+    for text in TOKENIZER_STRINGS:
+        want = hf_tokenizer.encode(text)
+        assert saved.encode(text) == want
+        assert eng.tokenizer.encode(text) == want, text
+        assert eng.tokenizer.decode(want) == hf_tokenizer.decode(want)
+    assert eng.tokenizer.eos_token == hf_tokenizer.eos_token
