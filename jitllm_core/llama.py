@@ -42,7 +42,27 @@ class Tensor:
     raw: callable  # -> uint8 array of the tensor's bytes (a view of the mapped file)
 
 
-class ModelFile:
+class _Tensors:
+    def tensor(self, name, shape):
+        t = self.tensors.get(name)
+        if t is None:
+            raise ModelFileError(self.path, f"missing tensor {name!r}")
+        if tuple(t.shape) != tuple(shape):
+            raise ModelFileError(self.path, f"tensor {name!r} has shape {tuple(t.shape)}, the architecture needs "
+                                            f"{tuple(shape)}")
+        return t
+
+
+class SpecFile(_Tensors):
+    """A model known only by its config and tensor types -- no data: enough to build every kernel, e.g. to
+    compile ahead of time for a shape that is not on disk. types: tensor name -> (shape, type name)."""
+
+    def __init__(self, config: Config, types: dict, path="<spec>"):
+        self.path, self.config = path, config
+        self.tensors = {n: Tensor(n, shape, t, None) for n, (shape, t) in types.items()}
+
+
+class ModelFile(_Tensors):
     """A GGUF file or an HF safetensors folder, seen through GGUF tensor names."""
 
     def __init__(self, path):
@@ -126,16 +146,6 @@ class ModelFile:
                 if cfg.bias and g in ("attn_q", "attn_k", "attn_v"):
                     add(f"blk.{i}.{g}.bias", f"model.layers.{i}.{h}.bias", heads)
         self.tokenizer = Tokenizer.from_hf_folder(self.path)
-
-    # -- shared
-    def tensor(self, name, shape):
-        t = self.tensors.get(name)
-        if t is None:
-            raise ModelFileError(self.path, f"missing tensor {name!r}")
-        if tuple(t.shape) != tuple(shape):
-            raise ModelFileError(self.path, f"tensor {name!r} has shape {tuple(t.shape)}, the architecture needs "
-                                            f"{tuple(shape)}")
-        return t
 
     def f32(self, name, shape):
         """A small tensor (norm weight, bias) as f32."""
@@ -293,8 +303,8 @@ class Llama:
 
 
 def model_kernels(path, T=64, page=16, context=None, kv_dtype="f16"):
-    """Every distinct kernel the model needs (for ahead-of-time compilation)."""
-    mf = ModelFile(path)
+    """Every distinct kernel the model (a path, or a SpecFile) needs, for ahead-of-time compilation."""
+    mf = path if isinstance(path, SpecFile) else ModelFile(path)
     ctx = min(context or mf.config.context, 8192)
     max_pages = -(-ctx // page)
     m = Llama(mf, T, page, max_pages, max_pages, kv_dtype)

@@ -1,0 +1,34 @@
+"""Every kernel of a Llama-3.2-1B-shaped Q4_K_M model compiles to sm_90 and sm_75 cubins (no GPU needed, no
+model file: the shape and tensor types are enough to build the kernels)."""
+import pytest
+
+from jitllm_core.llama import Config, SpecFile, model_kernels
+
+jitllm_cuda = pytest.importorskip("jitllm_cuda", reason="the jitllm-cuda plugin is not installed")
+from jitllm_cuda.backend import CudaBackend  # noqa: E402
+
+
+def llama_3_2_1b_q4_k_m():
+    c = Config(n_layer=16, dim=2048, n_head=32, n_kv=8, head_dim=64, ffn=8192, vocab=128256, eps=1e-5,
+               rope_base=500000.0, context=131072)
+    kv, q = c.n_kv * c.head_dim, c.n_head * c.head_dim
+    more_bits = {0, 1, 4, 7, 10, 13, 14, 15}  # llama.cpp's Q4_K_M: Q6_K for attn_v / ffn_down of these layers
+    types = {"token_embd.weight": ((c.vocab, c.dim), "Q6_K"), "output_norm.weight": ((c.dim,), "F32")}
+    for i in range(c.n_layer):
+        p, hi = f"blk.{i}.", "Q6_K" if i in more_bits else "Q4_K"
+        types.update({p + "attn_norm.weight": ((c.dim,), "F32"), p + "ffn_norm.weight": ((c.dim,), "F32"),
+                      p + "attn_q.weight": ((q, c.dim), "Q4_K"), p + "attn_k.weight": ((kv, c.dim), "Q4_K"),
+                      p + "attn_v.weight": ((kv, c.dim), hi), p + "attn_output.weight": ((c.dim, q), "Q4_K"),
+                      p + "ffn_gate.weight": ((c.ffn, c.dim), "Q4_K"), p + "ffn_up.weight": ((c.ffn, c.dim), "Q4_K"),
+                      p + "ffn_down.weight": ((c.dim, c.ffn), hi)})
+    return SpecFile(c, types, "llama-3.2-1b-shape-Q4_K_M")
+
+
+def test_llama_1b_shape_kernels_compile():
+    kernels = model_kernels(llama_3_2_1b_q4_k_m(), context=8192)
+    names = {k.name.split("_")[0] for k in kernels}
+    assert {"embed", "rmsnorm", "matmul", "rope", "kvstore", "attn", "silu", "dequant"} <= names
+    assert any("Q6_K" in k.name for k in kernels) and any("Q4_K" in k.name for k in kernels)
+    for arch in ("sm_90", "sm_75"):
+        report = CudaBackend.compile_ahead(kernels, arch)
+        assert len(report) == len(kernels) and all(r["bytes"] > 0 for r in report)
