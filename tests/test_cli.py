@@ -4,31 +4,14 @@ import json
 import re
 from types import SimpleNamespace
 
+from pathlib import Path
+
 import pytest
 
 from jitllm_core import registry
 from jitllm_core.cli import ChatSession, main
 
-CLASSIC = """
-[devices.gpu]
-memory_gb = 24
-bandwidth_gbs = 1792
-
-[devices.host]
-memory_gb = 128
-bandwidth_gbs = 80
-host = true
-
-[links.gpu-host]
-bandwidth_gbs = 63
-latency_us = 0
-
-[model]
-layers = 40
-layer_gb = 0.36
-kv_gb = 2.0
-activation_kb = 40
-"""
+CLASSIC = (Path(__file__).parent / "classic_gpu.toml").read_text()  # the issue's example, as written
 
 
 @pytest.fixture

@@ -2,6 +2,8 @@
 import argparse
 import json
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -10,23 +12,7 @@ from jitllm_core.costmodel import (GB, Device, Hardware, Layout, Link, ModelShap
 from jitllm_core.errors import JitllmError
 from jitllm_core.plan_cli import add_plan_arguments, run_plan
 
-EXAMPLE = """\
-[devices.gpu]
-memory_gb = 24
-bandwidth_gbs = 1792
-[devices.host]
-memory_gb = 128
-bandwidth_gbs = 80
-host = true
-[links.gpu-host]
-bandwidth_gbs = 63
-latency_us = 0
-[model]
-layers = 40
-layer_gb = 0.36
-kv_gb = 2.0
-activation_kb = 40
-"""
+EXAMPLE = (Path(__file__).parent / "classic_gpu.toml").read_text()  # the issue's example, as written
 
 
 @pytest.fixture
@@ -205,8 +191,9 @@ def test_hardware_file_options(tmp_path):
     assert load_hardware_toml(path)[1] is None
 
 
-def test_plan_without_what_if_or_model(tmp_path, capsys):
-    assert plan(capsys)[0] == 2
+def test_plan_for_this_machine_and_without_model_section(tmp_path, capsys):
+    rc, out, _ = plan(capsys, "--context", "256")  # the default model on the devices found here
+    assert rc == 0 and "\n*" in out and "tok/s" in out
     path = tmp_path / "hw.toml"
     path.write_text(EXAMPLE.split("[model]")[0])
     rc, _, err = plan(capsys, "--what-if", str(path))

@@ -211,9 +211,7 @@ class KernelLowering:
         return self.from_storage(dt, v)
 
     def from_storage(self, dt, v):
-        b = self.b
-        vec = isinstance(v.type, L.VectorType)
-        ty = lambda t: L.VectorType(t, v.type.count) if vec else t
+        b, ty = self.b, _shaped_like(v)
         if dt == "f16":
             return b.fpext(v, ty(F32))
         if dt == "bf16":
@@ -225,9 +223,7 @@ class KernelLowering:
         return v
 
     def to_storage(self, dt, v):
-        b = self.b
-        vec = isinstance(v.type, L.VectorType)
-        ty = lambda t: L.VectorType(t, v.type.count) if vec else t
+        b, ty = self.b, _shaped_like(v)
         if dt == "f16":
             return b.fptrunc(v, ty(F16))
         if dt == "bf16":  # round to nearest even
@@ -320,7 +316,7 @@ class KernelLowering:
         if op == "not":
             return b.not_(x)
         if op in ("f16bits", "bf16bits"):
-            ty = (lambda t: L.VectorType(t, x.type.count)) if isinstance(x.type, L.VectorType) else (lambda t: t)
+            ty = _shaped_like(x)
             if op == "f16bits":
                 return b.fpext(b.bitcast(b.trunc(x, ty(I16)), ty(F16)), ty(F32))
             return b.bitcast(b.shl(b.and_(x, self.splat_like(x, I32, 0xFFFF)), self.splat_like(x, I32, 16)), ty(F32))
@@ -330,9 +326,7 @@ class KernelLowering:
         return b.call(self.intrinsic(f"llvm.{op}", x.type), [x])
 
     def cast(self, x, src, dst):
-        b = self.b
-        vec = isinstance(x.type, L.VectorType)
-        ty = (lambda t: L.VectorType(t, x.type.count)) if vec else (lambda t: t)
+        b, ty = self.b, _shaped_like(x)
         if src == dst:
             return x
         if dst == "f32":
@@ -551,6 +545,11 @@ class KernelLowering:
             hi = b.shuffle_vector(v, v, L.Constant(L.VectorType(I32, n), list(range(n, 2 * n))))
             v = self.combine(op, lo, hi, dt)
         return self.combine(op, b.extract_element(v, L.Constant(I32, 0)), b.load(accs[1]), dt)
+
+
+def _shaped_like(v):
+    """Element type -> that type, or a vector of it as wide as v."""
+    return (lambda t: L.VectorType(t, v.type.count)) if isinstance(v.type, L.VectorType) else (lambda t: t)
 
 
 def _children(e):
