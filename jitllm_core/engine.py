@@ -24,6 +24,7 @@ from .tokenizer import StreamDecoder
 
 STEP_TOKENS = 64   # tokens per step (prefill chunk)
 PAGE = 16          # positions per KV page
+DEFAULT_CONTEXT = 8192  # KV positions reserved when the caller does not say (models may allow far more)
 
 
 @dataclass
@@ -95,7 +96,7 @@ class Engine:
         self.mf = ModelFile(self.model_path)
         self.tokenizer = self.mf.tokenizer
         cfg = self.config = self.mf.config
-        self.max_context = min(int(max_context or cfg.context), cfg.context)
+        self.max_context = min(int(max_context or min(cfg.context, DEFAULT_CONTEXT)), cfg.context)
         self.kv_dtype = kv_dtype
         n_pages = -(-self.max_context // PAGE)
         self.model = Llama(self.mf, STEP_TOKENS, PAGE, n_pages, n_pages, kv_dtype)

@@ -215,7 +215,7 @@ class Llama:
         return {"tok": ("i32", T), "x": ("f32", T * c.dim), "xn": ("f32", T * c.dim), "q": ("f32", T * q),
                 "k": ("f32", T * kv), "v": ("f32", T * kv), "att": ("f32", T * q), "g": ("f32", T * c.ffn),
                 "u": ("f32", T * c.ffn), "h": ("f32", T * c.ffn), "logits": ("f32", T * c.vocab),
-                "wdq": ("f32", max(c.ffn, q) * max(c.dim, q, c.ffn))}  # one layer matrix, dequantized
+                "wdq": ("f32", max(q * c.dim, kv * c.dim, c.ffn * c.dim))}  # one layer matrix, dequantized
 
     def weight_shapes(self, unit):
         """tensor name -> (shape, True if read as f32 constant data rather than by a matmul)"""
