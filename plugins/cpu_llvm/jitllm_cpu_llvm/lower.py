@@ -119,11 +119,11 @@ class KernelLowering:
         cond, blk, done = (self.fn.append_basic_block(n) for n in ("cond", "body", "done"))
         b.branch(cond)
         b.position_at_end(cond)
-        i = b.load(var)
+        i = b.load(var, typ=I32)
         b.cbranch(b.icmp_signed("<", i, end), blk, done)
         b.position_at_end(blk)
         body(i)
-        b.store(b.add(b.load(var), L.Constant(I32, step)), var)
+        b.store(b.add(b.load(var, typ=I32), L.Constant(I32, step), flags=("nsw",)), var)
         b.branch(cond)
         b.position_at_end(done)
 
