@@ -172,10 +172,9 @@ class ModelFile(_Tensors):
 
 
 def _permute_rows(raw, t, n_heads):
-    rows, cols = t.shape
-    hd = rows // n_heads
-    a = raw.reshape(n_heads, 2, hd // 2, -1)
-    return np.ascontiguousarray(a.swapaxes(1, 2)).reshape(-1)
+    """Reorder each head's rows (or bias entries) from HF's two halves to GGUF's interleaved pairs."""
+    hd = t.shape[0] // n_heads
+    return np.ascontiguousarray(raw.reshape(n_heads, 2, hd // 2, -1).swapaxes(1, 2)).reshape(-1)
 
 
 def _llama3_scaling(inv, s):
@@ -215,6 +214,7 @@ class Llama:
         return {"tok": ("i32", T), "x": ("f32", T * c.dim), "xn": ("f32", T * c.dim), "q": ("f32", T * q),
                 "k": ("f32", T * kv), "v": ("f32", T * kv), "att": ("f32", T * q), "g": ("f32", T * c.ffn),
                 "u": ("f32", T * c.ffn), "h": ("f32", T * c.ffn), "logits": ("f32", T * c.vocab),
+                "scores": ("f32", T * c.n_head * self.max_pages * self.page),
                 "wdq": ("f32", max(q * c.dim, kv * c.dim, c.ffn * c.dim))}  # one layer matrix, dequantized
 
     def weight_shapes(self, unit):
@@ -287,7 +287,7 @@ class Llama:
             LaunchTemplate(ops.rope(c.n_head, c.head_dim, T), {"q": "a:q", "freq": "c:rope_freqs"}),
             LaunchTemplate(ops.rope(c.n_kv, c.head_dim, T), {"q": "a:k", "freq": "c:rope_freqs"}),
             LaunchTemplate(ops.kv_store(c.n_kv, c.head_dim, T, **cache), {"k": "a:k", "v": "a:v", **kvb}),
-            LaunchTemplate(ops.attention(c.n_head, c.n_kv, c.head_dim, T, **cache), {"q": "a:q", "out": "a:att", **kvb}),
+            LaunchTemplate(ops.attention(c.n_head, c.n_kv, c.head_dim, T, **cache), {"q": "a:q", "s": "a:scores", "out": "a:att", **kvb}),
             *mm(p + "attn_output.weight", "att", "x", c.dim, q, acc=True),
             LaunchTemplate(ops.rmsnorm(c.dim, T, c.eps), {"x": "a:x", "w": f"w:{p}ffn_norm.weight", "out": "a:xn"}),
             *mm(p + "ffn_gate.weight", "xn", "g", c.ffn, c.dim),

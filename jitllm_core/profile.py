@@ -25,7 +25,9 @@ def profile_decode(eng, prompt_tokens=32, repeats=5, step_tokens=1):
     prefill = step_tokens > 1
     try:
         with eng._lock:
-            eng._step(seq, list(range(1, prompt_tokens + 1)), prompt_tokens - 1)
+            history = list(range(1, prompt_tokens + 1))
+            for i in range(0, prompt_tokens, eng.model.T):
+                eng._step(seq, history[i:i + eng.model.T], 0)
             values = {"pos": seq.n, "n_tokens": step_tokens, "t0": step_tokens - 1, "zero": 0}
             rows = []
             for seg in eng.segments:

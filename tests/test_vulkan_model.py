@@ -1,0 +1,94 @@
+"""SmolLM2 through the engine on vulkan:0 against HF transformers on the same GGUF, a cpu + vulkan split, and a
+live move cpu:0 -> vulkan:0 while a reply streams.
+
+vulkan:0 is lavapipe on the test machines (Vulkan emulated on the CPU): a decode step is slow, so token counts
+stay small. Everything skips with the backend's reason when there is no Vulkan device.
+"""
+import numpy as np
+import pytest
+
+import jitllm_core as jl
+from conftest import backend_device
+from reference import agreeing_prefix, reference_logits
+
+PROMPT = ("The history of the printing press begins in China, where woodblock printing was used for centuries "
+          "before movable type appeared in Europe.")
+GEN_PROMPT = "The capital of France is"  # short (prefill is slow here too) and every greedy step decided by > 0.2
+SPLIT = {"cpu:0": range(0, 15), "vulkan:0": range(15, 30)}
+
+
+@pytest.fixture(scope="module")
+def vulkan():
+    return backend_device("vulkan:0")
+
+
+@pytest.fixture(scope="module")
+def vk(vulkan, default_model):
+    e = jl.Engine(default_model, devices=["vulkan:0"], kv_dtype="f32")
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def cpu_tokens(vulkan, cpu, default_model):
+    """Greedy tokens of the all-CPU engine for the prompts the tests below use (max_tokens -> ids)."""
+    e = jl.Engine(default_model, devices=["cpu:0"], kv_dtype="f32")
+    ids = e.tokenizer.encode(GEN_PROMPT)
+    yield ids, {n: e.generate(ids, max_tokens=n, ignore_eos=True).token_ids for n in (6, 8)}
+    e.close()
+
+
+def test_everything_is_on_vulkan(vk):
+    assert {dev for dev, _ in vk.placement.values()} == {"vulkan:0"}
+
+
+def test_score_matches_transformers(vk, default_model):
+    ids = (vk.tokenizer.encode(PROMPT) * 2)[:32]  # lavapipe: about 1 s per scored position on 2 cores
+    assert len(ids) >= 32
+    got, want = vk.score(ids), reference_logits(default_model, ids)
+    assert got.shape == want.shape and got.dtype == np.float32
+    assert np.abs(got - want).max() <= 1e-3
+
+
+def test_greedy_matches_transformers(vk, default_model, cpu_tokens):
+    ids, cpu_runs = cpu_tokens
+    out = vk.generate(ids, max_tokens=6, ignore_eos=True).token_ids
+    assert len(out) == 6
+    ref = reference_logits(default_model, ids + out)
+    n = agreeing_prefix(ref, out, len(ids) - 1)
+    assert n >= 3  # all 6 on this prompt with the CPU build; fewer only if the margins moved
+    assert out[:n] == list(ref[len(ids) - 1:len(ids) - 1 + n].argmax(-1))
+    assert out == cpu_runs[6]
+
+
+def test_cpu_vulkan_split_matches_cpu(default_model, cpu_tokens):
+    ids, cpu_runs = cpu_tokens
+    e = jl.Engine(default_model, devices=["cpu:0", "vulkan:0"], placement=SPLIT, kv_dtype="f32")
+    try:
+        assert e.placement[0][0] == "cpu:0" and e.placement[14][0] == "cpu:0"
+        assert e.placement[15][0] == "vulkan:0" and e.placement[29][0] == "vulkan:0"
+        out = e.generate(ids, max_tokens=6, ignore_eos=True).token_ids
+        assert out == cpu_runs[6]
+        assert e.stats["crossings"] > 0  # the activation really went cpu:0 -> vulkan:0
+        assert any("vulkan" in path for path, n in e.stats["bytes_crossed"].items() if n > 0), e.stats
+    finally:
+        e.close()
+
+
+def test_live_move_cpu_to_vulkan(default_model, cpu_tokens):
+    ids, cpu_runs = cpu_tokens
+    e = jl.Engine(default_model, devices=["cpu:0", "vulkan:0"], placement={"cpu:0": range(30)}, kv_dtype="f32")
+    try:
+        assert {e.placement[i][0] for i in range(30)} == {"cpu:0"}
+        out, reports = [], []
+        for i, ev in enumerate(e.generate(ids, max_tokens=8, ignore_eos=True, stream=True)):
+            out.append(ev.token_id)
+            if i == 2:  # between two streamed tokens: the KV of the prompt and three tokens moves along
+                reports.append(e.migrate("0-29", "vulkan:0"))
+        assert out == cpu_runs[8]
+        assert e.stats["steps"] == 8  # one prefill step + 7 decode steps: nothing ran twice
+        assert len(reports) == 1 and reports[0].ok, str(reports[0])
+        assert reports[0].recomputed_tokens == 0
+        assert {e.placement[i][0] for i in range(30)} == {"vulkan:0"}
+    finally:
+        e.close()
