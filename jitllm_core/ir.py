@@ -175,7 +175,7 @@ def i32(x) -> Expr:
 
 def select(c, a, b) -> Expr:
     a = as_expr(a, b.dtype if isinstance(b, Expr) else "i32")
-    return Select(c, a, as_expr(b, a.dtype))
+    return Select(as_expr(c), a, as_expr(b, a.dtype))
 
 
 def vmin(a, b):

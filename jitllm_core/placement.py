@@ -40,12 +40,15 @@ def _planned(eng, n_device_layers):
     best = max(devices.values(), key=_rank).name
     shp = planner.shape(eng.model)
     fits = eng.arenas[best].free_bytes >= sum(shp.unit_bytes) + sum(shp.kv_bytes) + _activation_bytes(eng)
-    if len(devices) == 1 or (n_device_layers is None and fits):
+    if len(devices) == 1:
         return {u: (best, "resident") for u in units}
     host = eng.host_device()
     if host is None:
         raise JitllmError("planning a split needs a CPU device among the engine's devices")
     hw = planner.hardware(devices, eng.arenas, host, reserve=_activation_bytes(eng))
+    if n_device_layers is None and fits:  # the best device holds it all: no split to weigh
+        eng.plan = cm.predict(cm.Layout(((best, "resident"),) * len(units)), hw, shp)
+        return {u: (best, "resident") for u in units}
     accel = next((n for n in sorted(devices, key=lambda n: -_rank(devices[n])) if n != host), None)
     if n_device_layers is not None:
         eng.plan = cm.predict(cm.n_device_layers(int(n_device_layers), hw, shp, accel, "host"), hw, shp)

@@ -47,22 +47,22 @@ class Format:
     def terms(self, k, buf, base, g, l):
         raise NotImplementedError
 
-    def _blocks(self, bg):
-        return (bg, 0) if self.groups == 1 else (bg // self.groups, bg % self.groups)
-
     def row_dot(self, k, buf, row, cols, x, kind="reduce"):
-        """sum_c W[row, c] * x(c) as one Reduce over (block, group) of a vector Reduce over lanes."""
+        """sum_c W[row, c] * x(c): a Reduce over blocks of the sum, over the block's groups (a constant each, so
+        that scale lookups fold), of a vector Reduce over lanes."""
         nb = cols // self.block
 
-        def outer(bg):
-            b, g = self._blocks(bg)
+        def block(b):
             base = (row * nb + b) * self.unit
 
-            def lane(l):
-                ts = [w * x(b * self.block + j) for j, w in self.terms(k, buf, base, g, l)]
-                return sum(ts[1:], ts[0])
-            return ir.reduce("add", "l", self.lanes, lane, "vector")
-        return ir.reduce("add", "bg", nb * self.groups, outer, kind)
+            def group(g):
+                def lane(l):
+                    ts = [w * x(b * self.block + j) for j, w in self.terms(k, buf, base, g, l)]
+                    return sum(ts[1:], ts[0])
+                return ir.reduce("add", f"l{g}", self.lanes, lane, "vector")
+            gs = [group(g) for g in range(self.groups)]
+            return sum(gs[1:], gs[0])
+        return ir.reduce("add", "b", nb, block, kind)
 
 
 class Plain(Format):

@@ -92,3 +92,31 @@ def test_live_move_cpu_to_vulkan(default_model, cpu_tokens):
         assert {e.placement[i][0] for i in range(30)} == {"vulkan:0"}
     finally:
         e.close()
+
+
+def test_chain_of_moves_across_backends(default_model, cpu_tokens):
+    """cpu:0 -> cpu:1 -> vulkan:0 -> cpu:0 while streaming: same greedy tokens, logits of the final state within
+    1e-3 of a run that never moved."""
+    backend_device("cpu:1")
+    ids, want = cpu_tokens
+    eng = jl.Engine(default_model, devices=["cpu:0", "cpu:1", "vulkan:0"], placement="cpu:0", kv_dtype="f32")
+    try:
+        out, reports = [], []
+        chain = {1: "cpu:1", 3: "vulkan:0", 5: "cpu:0"}
+        for i, ev in enumerate(eng.generate(ids, max_tokens=8, ignore_eos=True, stream=True)):
+            out.append(ev.token_id)
+            if i in chain:
+                reports.append(eng.migrate("embed,0-29,head", chain[i]))
+        assert out == want[8]
+        assert [r.ok for r in reports] == [True] * 3 and all(r.recomputed_tokens == 0 for r in reports)
+        with eng.session() as s:  # a move mid-sequence to vulkan and back, logits against the unmoved run
+            s.feed(ids)
+            eng.migrate("0-29", "vulkan:0")
+            moved = s.feed(out[:3])
+            eng.migrate("0-29", "cpu:0")
+        with eng.session() as s:
+            s.feed(ids)
+            still = s.feed(out[:3])
+        assert np.abs(moved - still).max() <= 1e-3
+    finally:
+        eng.close()

@@ -353,13 +353,14 @@ class KernelLowering:
                 self.env = saved
                 acc = v if acc is None else self.combine(e.op, acc, v, dt)
             return acc
-        inner = e.value
-        if isinstance(inner, ir.Reduce) and inner.kind == "vector" and inner.op == e.op and self.vectorizable_expr(inner.value):
-            # reduce of a vector reduce: vector accumulators across both loops (one horizontal sum per row);
-            # consecutive outer iterations use different accumulators so the add latency does not bound them
-            U = UNROLL_ACCS if isinstance(ext, L.Constant) and ext.constant >= 2 * UNROLL_ACCS else 1
+        inner = _vector_parts(e)
+        if inner and all(self.vectorizable_expr(r.value) for r in inner):
+            # reduce of (a sum of) vector reduces: vector accumulators across both loops (one horizontal sum per
+            # row); consecutive outer iterations use different accumulators so the add latency does not bound them
+            U = max(1, UNROLL_ACCS // len(inner))  # more parts already overlap; more copies would spill
+            U = U if isinstance(ext, L.Constant) and ext.constant >= 2 * U else 1
             accs = [self.vector_accumulators(e.op, dt) for _ in range(U)]
-            into = lambda i, a: self.with_bind({e.var: i}, lambda: self.vector_reduce_into(inner, a))
+            into = lambda i, a: self.with_bind({e.var: i}, lambda: [self.vector_reduce_into(r, a) for r in inner])
             main = L.Constant(I32, ext.constant - ext.constant % U) if U > 1 else ext
             self.loop(L.Constant(I32, 0), main,
                       lambda i: [into(self.b.add(i, L.Constant(I32, u)), a) for u, a in enumerate(accs)], step=U)
@@ -545,6 +546,20 @@ class KernelLowering:
             hi = b.shuffle_vector(v, v, L.Constant(L.VectorType(I32, n), list(range(n, 2 * n))))
             v = self.combine(op, lo, hi, dt)
         return self.combine(op, b.extract_element(v, L.Constant(I32, 0)), b.load(accs[1]), dt)
+
+
+def _vector_parts(e):
+    """The vector Reduces whose sum (or single one) is the value of Reduce e, when they share its op."""
+    parts, todo = [], [e.value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, ir.Bin) and v.op == "add" and e.op == "add":
+            todo += [v.a, v.b]
+        elif isinstance(v, ir.Reduce) and v.kind == "vector" and v.op == e.op:
+            parts.append(v)
+        else:
+            return None
+    return parts
 
 
 def _shaped_like(v):
