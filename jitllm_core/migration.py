@@ -144,12 +144,14 @@ class Migration:
         with eng._lock:  # a consistent view of which pages are full right now
             snapshot = [(seq.id, seq.n, {u: list(seq.pages.get(u, ())) for u in self.staged})
                         for seq in eng.sequences.values()]
-        self.dirty = {}
+        self.dirty, self.prefix = {}, {}
         for sid, n, pages in snapshot:
             full = n // eng.model.page
             for u, plist in pages.items():
                 self.report.bytes_precopied += self._copy_pages(sid, u, plist)
                 self.dirty[(sid, u)] = set(plist[full:])
+                # the target's page list for the full pages, ready before the pause (pages are only appended)
+                self.prefix[(sid, u)] = [self.new_pages[(sid, u)][p] for p in plist[:full]]
 
     def _copy_pages(self, sid, unit, src_pages, again=()):
         """Copy pages of one layer to the target pool (those not copied yet, and `again`), coalescing runs that
@@ -197,7 +199,8 @@ class Migration:
                     st.kv, st.pool, st.ptab_for = self.staged[u]["kv"], self.staged[u]["pool"], None
                     for seq in eng.sequences.values():
                         if u in seq.pages:
-                            seq.pages[u] = [self.new_pages[(seq.id, u)][p] for p in seq.pages[u]]
+                            head = self.prefix.get((seq.id, u), [])
+                            seq.pages[u] = head + [self.new_pages[(seq.id, u)][p] for p in seq.pages[u][len(head):]]
             eng.segments = self.programs
             r.pause_ms = (time.perf_counter() - t) * 1e3
         # 5: free the source, after the pause (no step can use it any more)
