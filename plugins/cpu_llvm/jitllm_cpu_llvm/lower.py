@@ -21,6 +21,7 @@ STORAGE = {"f32": F32, "f16": F16, "bf16": I16, "u8": I8, "i8": I8, "i32": I32}
 FM = ("contract",)  # lets LLVM fuse multiply-add; reductions are reassociated only by this lowering
 UNROLL_MAX = 64
 UNROLL_ACCS = 4  # vector accumulators of a long reduction
+PREFETCH = 1024  # bytes ahead that contiguous loads of read-only buffers prefetch (weights stream from DRAM)
 
 BARRIER_IR = """
 declare i32 @sched_yield()
@@ -103,6 +104,10 @@ class KernelLowering:
     # ------------------------------------------------------------------ helpers
     def alloca(self, ty):
         return self.alloca_b.alloca(ty)
+
+    def prefetch(self):
+        fn = self.module.globals.get("llvm.prefetch.p0")
+        return fn or L.Function(self.module, L.FunctionType(VOID, [PTR, I32, I32, I32]), name="llvm.prefetch.p0")
 
     def intrinsic(self, name, ty, nargs=1, ret=None):
         """Declare llvm.<op>.<type> (llvmlite cannot mangle vector types itself)."""
@@ -434,7 +439,11 @@ class KernelLowering:
                 return VVal("u", self.load(e.buf, idx.val))
             if idx.kind == "lin" and idx.stride == 1:
                 vt = L.VectorType(STORAGE[dt], self.W)
-                v = b.load(b.gep(self.ptrs[e.buf], [idx.val], source_etype=STORAGE[dt]), typ=vt, align=1)
+                ptr = b.gep(self.ptrs[e.buf], [idx.val], source_etype=STORAGE[dt])
+                if PREFETCH and not self.k.buffers[e.buf].write:
+                    ahead = b.gep(ptr, [L.Constant(I32, PREFETCH)], source_etype=I8)
+                    b.call(self.prefetch(), [ahead, L.Constant(I32, 0), L.Constant(I32, 3), L.Constant(I32, 1)])
+                v = b.load(ptr, typ=vt, align=1)
                 return VVal("v", self.from_storage(dt, v))
             iv = self.to_vec(idx, "i32")
             out = L.Constant(self.vec_type(e.dtype), L.Undefined)
