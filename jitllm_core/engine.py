@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import faults, registry
+from . import faults, ir, registry
 from .errors import ContextLimitError, JitllmError
 from .kvcache import PagePool, Sequence
 from .llama import Llama, ModelFile
@@ -51,7 +51,7 @@ class DeviceState:
         self.slots = []     # two {role: Buffer} for streamed units
         try:
             for n, (dt, size) in model.activations().items():
-                self.acts[n] = arena.alloc(max(4, size * (4 if dt in ("f32", "i32") else 2)))
+                self.acts[n] = arena.alloc(max(4, size * ir.STORAGE_DTYPES[dt]))
             self.consts["rope_freqs"] = arena.alloc(rope_freqs.nbytes)
         except Exception:
             self.release()
@@ -99,7 +99,7 @@ class Engine:
         self.max_context = min(int(max_context or min(cfg.context, DEFAULT_CONTEXT)), cfg.context)
         self.kv_dtype = kv_dtype
         n_pages = -(-self.max_context // PAGE)
-        self.model = Llama(self.mf, STEP_TOKENS, PAGE, n_pages, n_pages, kv_dtype)
+        self.model = Llama(self.mf, STEP_TOKENS, PAGE, n_pages, kv_dtype)
         self.rope_freqs = self.mf.rope_freqs()
         self.devices = self._pick_devices(devices, threads)
         caps = {self._device_name(k): v for k, v in (mem or {}).items()}
@@ -169,7 +169,7 @@ class Engine:
                     ds.weights[name][1] += 1
                     taken.append(name)
                     continue
-                data = self.mf.f32(name, shape) if as_f32 else self.mf.tensor(name, shape).raw()
+                data = self.model.host_data(name, unit)
                 if not as_f32:
                     self.model.fmt(name, shape)  # validates type and row length before any kernel reads it
                 buf = ds.arena.alloc(data.nbytes)
@@ -207,7 +207,7 @@ class Engine:
         half = m.kv_bytes_per_layer() // 2
         kv = {}
         try:
-            for name, size in (("k", half), ("v", half), ("ptab", m.max_pages * 4)):
+            for name, size in (("k", half), ("v", half), ("ptab", m.n_pages * 4)):
                 kv[name] = arena.alloc(size)
         except Exception:
             self._free_kv(dev_name, kv)
@@ -292,8 +292,8 @@ class Engine:
     def _stream_in(self, seg):
         """Copy a streamed unit's weights from host memory into its slot; returns bytes copied."""
         ds, moved = self.dev_state[seg.device], 0
-        for name, (shape, as_f32) in self.model.weight_shapes(seg.streamed).items():
-            data = self.mf.f32(name, shape) if as_f32 else self.mf.tensor(name, shape).raw()
+        for name in self.model.weight_shapes(seg.streamed):
+            data = self.model.host_data(name, seg.streamed)
             ds.dev.upload(ds.slots[seg.slot][_role(name)], data)
             moved += data.nbytes
         return moved
@@ -389,7 +389,7 @@ class Engine:
         s, c = self.stats, self.config
         s["steps"] += 1
         s["tokens"] += n
-        kv_row = c.n_kv * c.head_dim * (2 if self.kv_dtype == "f16" else 4) * 2
+        kv_row = 2 * self.model.page_bytes() // self.model.page  # K and V of one position
         for u, st in self.units.items():
             b = self.model.unit_bytes(u)
             if st.pool is not None:

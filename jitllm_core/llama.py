@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import ops
+from . import ir, ops
 from .errors import ModelFileError
 from .quant import dequant_kernel, get_format
 
@@ -197,9 +197,11 @@ class LaunchTemplate:
 class Llama:
     """Kernels and buffer bindings for every unit of one model at one step size."""
 
-    def __init__(self, mf: ModelFile, T: int, page: int, n_pages: int, max_pages: int, kv_dtype: str):
+    def __init__(self, mf: ModelFile, T: int, page: int, n_pages: int, kv_dtype: str):
+        """n_pages: KV pages of each layer's pool, which is also the longest page table (one sequence may use
+        the whole pool)."""
         self.mf, self.cfg, self.T = mf, mf.config, T
-        self.page, self.n_pages, self.max_pages, self.kv_dtype = page, n_pages, max_pages, kv_dtype
+        self.page, self.n_pages, self.kv_dtype = page, n_pages, kv_dtype
         cfg = self.cfg
         if cfg.n_head % cfg.n_kv or cfg.head_dim % 2:
             raise ModelFileError(mf.path, f"unsupported head layout ({cfg.n_head} heads, {cfg.n_kv} kv heads, "
@@ -214,8 +216,12 @@ class Llama:
         return {"tok": ("i32", T), "x": ("f32", T * c.dim), "xn": ("f32", T * c.dim), "q": ("f32", T * q),
                 "k": ("f32", T * kv), "v": ("f32", T * kv), "att": ("f32", T * q), "g": ("f32", T * c.ffn),
                 "u": ("f32", T * c.ffn), "h": ("f32", T * c.ffn), "logits": ("f32", T * c.vocab),
-                "scores": ("f32", T * c.n_head * self.max_pages * self.page),
+                "scores": ("f32", T * c.n_head * self.n_pages * self.page),
                 "wdq": ("f32", max(q * c.dim, kv * c.dim, c.ffn * c.dim))}  # one layer matrix, dequantized
+
+    def activation_bytes(self):
+        """What every device that runs a unit holds besides the units: activations, constants, a margin."""
+        return sum(size * ir.STORAGE_DTYPES[dt] for dt, size in self.activations().values()) + (1 << 20)
 
     def weight_shapes(self, unit):
         """tensor name -> (shape, True if read as f32 constant data rather than by a matmul)"""
@@ -234,6 +240,11 @@ class Llama:
             w.update({p + "attn_q.bias": ((q,), True), p + "attn_k.bias": ((kv,), True),
                       p + "attn_v.bias": ((kv,), True)})
         return w
+
+    def host_data(self, name, unit):
+        """A weight's bytes as a device holds it: a view of the mapped file, or f32 for norms and biases."""
+        shape, as_f32 = self.weight_shapes(unit)[name]
+        return self.mf.f32(name, shape) if as_f32 else self.mf.tensor(name, shape).raw()
 
     def tensor_bytes(self, name, unit):
         """Bytes of a weight as a device holds it (norms and biases become f32)."""
@@ -276,7 +287,7 @@ class Llama:
                     *self._mm(self.head_tensor, "xn", "logits", c.vocab, c.dim, logits=True)]
         p, q, kv = f"blk.{unit}.", c.n_head * c.head_dim, c.n_kv * c.head_dim
         b = (lambda n: p + n + ".bias") if c.bias else (lambda n: None)
-        cache = dict(page=self.page, n_pages=self.n_pages, max_pages=self.max_pages, kv_dtype=self.kv_dtype)
+        cache = dict(page=self.page, n_pages=self.n_pages, max_pages=self.n_pages, kv_dtype=self.kv_dtype)
         kvb = {"ptab": "kv:ptab", "kc": "kv:k", "vc": "kv:v"}
         mm = functools.partial(self._mm, prefill=prefill)
         return [
@@ -296,10 +307,13 @@ class Llama:
             *mm(p + "ffn_down.weight", "h", "x", c.dim, c.ffn, acc=True),
         ]
 
-    def kv_bytes_per_layer(self):
+    def page_bytes(self):
+        """Bytes of one KV page of one layer, for K or for V."""
         c = self.cfg
-        el = 2 if self.kv_dtype == "f16" else 4
-        return 2 * self.n_pages * self.page * c.n_kv * c.head_dim * el
+        return self.page * c.n_kv * c.head_dim * ir.STORAGE_DTYPES[self.kv_dtype]
+
+    def kv_bytes_per_layer(self):
+        return 2 * self.n_pages * self.page_bytes()
 
 
 def model_kernels(path, T=64, page=16, context=None, kv_dtype="f16"):
@@ -307,7 +321,7 @@ def model_kernels(path, T=64, page=16, context=None, kv_dtype="f16"):
     mf = path if isinstance(path, SpecFile) else ModelFile(path)
     ctx = min(context or mf.config.context, 8192)
     max_pages = -(-ctx // page)
-    m = Llama(mf, T, page, max_pages, max_pages, kv_dtype)
+    m = Llama(mf, T, page, max_pages, kv_dtype)
     seen = {}
     for u in m.units:
         for lt in m.unit_launches(u) + m.unit_launches(u, prefill=True):

@@ -161,7 +161,7 @@ class Migration:
         todo = [p for p in src_pages if p not in mapping or p in again]
         for p in todo:
             mapping[p] = st["pool"].alloc()
-        page_bytes = eng.model.kv_bytes_per_layer() // 2 // eng.model.n_pages
+        page_bytes = eng.model.page_bytes()
         src_kv, moved, i = eng.units[unit].kv, 0, 0
         while i < len(todo):
             j = i + 1

@@ -39,13 +39,13 @@ def _planned(eng, n_device_layers):
     units, devices = eng.model.units, eng.devices
     best = max(devices.values(), key=_rank).name
     shp = planner.shape(eng.model)
-    fits = eng.arenas[best].free_bytes >= sum(shp.unit_bytes) + sum(shp.kv_bytes) + _activation_bytes(eng)
+    fits = eng.arenas[best].free_bytes >= sum(shp.unit_bytes) + sum(shp.kv_bytes) + eng.model.activation_bytes()
     if len(devices) == 1:
         return {u: (best, "resident") for u in units}
     host = eng.host_device()
     if host is None:
         raise JitllmError("planning a split needs a CPU device among the engine's devices")
-    hw = planner.hardware(devices, eng.arenas, host, reserve=_activation_bytes(eng))
+    hw = planner.hardware(devices, eng.arenas, host, reserve=eng.model.activation_bytes())
     if n_device_layers is None and fits:  # the best device holds it all: no split to weigh
         eng.plan = cm.predict(cm.Layout(((best, "resident"),) * len(units)), hw, shp)
         return {u: (best, "resident") for u in units}
@@ -55,15 +55,6 @@ def _planned(eng, n_device_layers):
     else:
         eng.plan = cm.choose([cm.predict(lay, hw, shp) for lay in planner.candidates(hw, shp)])
     return planner.to_placement(eng.plan.layout, units)
-
-
-def _activation_bytes(eng):
-    return activation_bytes(eng.model)
-
-
-def activation_bytes(model):
-    """Per-device activations and constants, which every device that runs a unit holds besides its units."""
-    return sum(size * 4 for _, size in model.activations().values()) + (1 << 20)
 
 
 def _explicit(placement, units, devices):

@@ -74,7 +74,6 @@ def run_plan_here(args) -> int:
     from .llama import Llama, ModelFile
     from .memory import Arena
     from .models import default_model_path
-    from .placement import activation_bytes
 
     path = args.model or default_model_path()
     devs = dict(registry.all_devices())
@@ -89,8 +88,8 @@ def run_plan_here(args) -> int:
     arenas = {n: Arena(d, mem.get(n)) for n, d in devs.items()}
     context = args.context or 4096
     pages = -(-context // PAGE)
-    model = Llama(ModelFile(path), STEP_TOKENS, PAGE, pages, pages, "f16")
-    hw = planner.hardware(devs, arenas, host, reserve=activation_bytes(model))
+    model = Llama(ModelFile(path), STEP_TOKENS, PAGE, pages, "f16")
+    hw = planner.hardware(devs, arenas, host, reserve=model.activation_bytes())
     shape = planner.shape(model)
     rows, chosen = plan_rows(hw, shape, None, args.n_device_layers, planner.candidates)
     if args.json:

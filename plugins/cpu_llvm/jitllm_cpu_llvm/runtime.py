@@ -16,6 +16,7 @@ import numpy as np
 
 from jitllm_core.cache import cache_dir, digest, write_atomic
 from jitllm_core.errors import BackendError
+from jitllm_core.ir import STORAGE_DTYPES
 from jitllm_core.plugin import Buffer, Caps, Device, Program
 
 from . import lower
@@ -120,7 +121,7 @@ class CpuProgram(Program):
             bs = [bslot.setdefault(id(ln.buffers[p]), (len(bslot), ln.buffers[p]))[0] for p in ln.kernel.buffers]
             ss = [sslot.setdefault(ln.scalar_name(s), len(sslot)) for s in ln.kernel.scalars]
             for p, prm in ln.kernel.buffers.items():
-                need = prm.size * {"f32": 4, "i32": 4, "f16": 2, "bf16": 2, "u8": 1, "i8": 1}[prm.dtype]
+                need = prm.size * STORAGE_DTYPES[prm.dtype]
                 if ln.buffers[p].nbytes < need:
                     raise BackendError(f"kernel {ln.kernel.name}: buffer for {p} has {ln.buffers[p].nbytes} bytes, "
                                        f"needs {need}")
