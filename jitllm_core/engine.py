@@ -183,8 +183,7 @@ class Engine:
         return moved
 
     def _drop_weights(self, unit, dev_name, names=None):
-        if names is None and self.units.get(unit) and self.units[unit].residency == "streamed":
-            return  # a streamed unit owns no weights on its device
+        """Release the unit's share of its weights on dev_name (all of them, or `names`)."""
         ds = self.dev_state[dev_name]
         for name in self.model.weight_shapes(unit) if names is None else names:
             entry = ds.weights[name]

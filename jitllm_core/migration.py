@@ -206,8 +206,8 @@ class Migration:
         # 5: free the source, after the pause (no step can use it any more)
         with eng._lock:
             for u, (dev, kv, residency) in old.items():
-                if residency != "streamed":
-                    eng._drop_weights(u, dev, list(eng.model.weight_shapes(u)))
+                if residency != "streamed":  # a streamed unit owns no weights on its device
+                    eng._drop_weights(u, dev)
                 if kv:
                     eng._free_kv(dev, kv)
             eng._release_unused_states()

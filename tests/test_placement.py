@@ -68,3 +68,22 @@ def test_auto_never_exceeds_capacity():
     assert best.fits and best.memory_bytes["gpu"] <= 5e9
     assert all(best.tokens_per_s >= p.tokens_per_s for p in
                (cm.predict(lay, hw, shp) for lay in planner.candidates(hw, shp)) if p.fits)
+
+
+def test_failed_move_of_streamed_units_leaks_nothing(default_model):
+    from jitllm_core import faults
+    backend_device("cpu:1")
+    eng = jl.Engine(default_model, devices=["cpu:0", "cpu:1"], kv_dtype="f32", max_context=256,
+                    placement={"cpu:1": {"resident": range(0, 4), "streamed": range(4, 30)}, "cpu:0": ["head"]})
+    with eng.session() as s:
+        s.feed(eng.tokenizer.encode(PROMPT))
+        before = {d: a.used for d, a in eng.arenas.items()}
+        faults.inject("transfer", "cpu:0", after_bytes=0)
+        try:
+            report = eng.migrate("4-29", "cpu:0")
+        finally:
+            faults.clear()
+        assert not report.ok and "injected transfer" in report.reason
+        assert {d: a.used for d, a in eng.arenas.items()} == before
+        assert eng.placement[4] == ("cpu:1", "streamed")
+    eng.close()
