@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,6 +19,7 @@ from .kvcache import PagePool, Sequence
 from .llama import Llama, ModelFile
 from .memory import Arena
 from .models import default_model_path
+from .placement import device_name, resolve
 from .plugin import Launch
 from .sampler import Sampler
 from .tokenizer import StreamDecoder
@@ -59,9 +61,12 @@ class DeviceState:
         self.dev.upload(self.consts["rope_freqs"], rope_freqs)
 
     def release(self):
-        for b in list(self.acts.values()) + list(self.consts.values()) + [b for s in self.slots for b in s.values()]:
+        """Free everything this device holds for the engine."""
+        held = [*self.acts.values(), *self.consts.values(), *(b for s in self.slots for b in s.values()),
+                *(b for b, _ in self.weights.values())]
+        for b in held:
             self.arena.free(b)
-        self.acts, self.consts, self.slots = {}, {}, []
+        self.acts, self.consts, self.slots, self.weights = {}, {}, [], {}
 
 
 @dataclass
@@ -114,8 +119,6 @@ class Engine:
         self.plan = None    # the cost model's prediction, when the planner chose the placement
         self.stats = {"steps": 0, "tokens": 0, "bytes_read": {}, "bytes_crossed": {}, "crossings": 0,
                       "bytes_per_token": 0}
-        from .placement import resolve
-        from concurrent.futures import ThreadPoolExecutor
         self._streamer = ThreadPoolExecutor(1, thread_name_prefix="jitllm-stream")
         layout = resolve(self, placement, n_device_layers)
         total = len(layout)
@@ -152,8 +155,7 @@ class Engine:
         return next((n for n, d in self.devices.items() if d.backend == "cpu"), None)
 
     def _device_name(self, name):
-        from .placement import _lookup
-        return _lookup(name, self.devices)
+        return device_name(name, self.devices)
 
     def _state(self, dev_name):
         if dev_name not in self.dev_state:
@@ -196,10 +198,7 @@ class Engine:
         """Free the activations of devices that no longer hold any unit."""
         used = {st.device for st in self.units.values()}
         for name in [n for n in self.dev_state if n not in used]:
-            ds = self.dev_state.pop(name)
-            for buf, _ in ds.weights.values():
-                ds.arena.free(buf)
-            ds.release()
+            self.dev_state.pop(name).release()
 
     def _alloc_kv(self, dev_name):
         arena, m = self.arenas[dev_name], self.model
@@ -342,8 +341,9 @@ class Engine:
         n, pos = len(tokens), seq.n
         if pos + n > self.max_context:
             raise ContextLimitError(f"context limit reached: {pos + n} positions > max_context {self.max_context}")
-        if min(tokens) < 0 or max(tokens) >= self.config.vocab:
-            raise JitllmError(f"token id out of range [0, {self.config.vocab})")
+        bad = next((t for t in tokens if not 0 <= t < self.config.vocab), None)
+        if bad is not None:  # the embedding kernel would read outside its table
+            raise JitllmError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab})")
         self._ensure_pages(seq, pos + n)
         self._upload_ptabs(seq)
         values = {"pos": pos, "n_tokens": n, "t0": t0, "zero": 0}
@@ -403,13 +403,7 @@ class Engine:
                            bos_token=tok.bos_token or "", eos_token=tok.eos_token or "")
 
     def _encode(self, prompt):
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        ids = [int(i) for i in prompt]
-        bad = [i for i in ids if not 0 <= i < self.config.vocab]
-        if bad:
-            raise JitllmError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab})")
-        return ids
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
 
     def session(self):
         """A sequence that stays alive between calls: `with eng.session() as s: s.feed(ids)`."""
@@ -498,8 +492,6 @@ class Engine:
                 if st.kv:
                     self._free_kv(st.device, st.kv)
             for ds in self.dev_state.values():
-                for buf, _ in ds.weights.values():
-                    ds.arena.free(buf)
                 ds.release()
             self.units, self.dev_state, self.segments = {}, {}, []
 
@@ -509,10 +501,6 @@ class Session:
 
     def __init__(self, eng):
         self.eng, self.seq = eng, eng.new_sequence()
-
-    @property
-    def n(self):
-        return self.seq.n
 
     def feed(self, token_ids):
         ids = self.eng._encode(token_ids)

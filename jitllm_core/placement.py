@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from . import costmodel as cm
-from . import planner
+from . import planner, registry
 from .errors import JitllmError
 
 # an accelerator beats the CPU backend; a Vulkan device that is itself a CPU emulation (lavapipe) does not
@@ -27,7 +27,7 @@ def resolve(eng, placement, n_device_layers=None) -> dict:
     if n_device_layers is not None or placement in ("auto", None):
         return _planned(eng, n_device_layers)
     if isinstance(placement, str):
-        dev = _lookup(placement, devices)
+        dev = device_name(placement, devices)
         return {u: (dev, "resident") for u in units}
     if not isinstance(placement, dict):
         raise JitllmError(f"placement must be 'auto', a device name or a dict device -> layers, not {placement!r}")
@@ -61,7 +61,7 @@ def _explicit(placement, units, devices):
     layers = [u for u in units if isinstance(u, int)]
     out = {}
     for name, which in placement.items():
-        dev = _lookup(name, devices)
+        dev = device_name(name, devices)
         groups = which.items() if isinstance(which, dict) else [("resident", which)]
         for residency, members in groups:
             if residency not in RESIDENCIES:
@@ -82,11 +82,9 @@ def _explicit(placement, units, devices):
     return {u: out[u] for u in units}
 
 
-def _lookup(name, devices):
-    if name in devices:
-        return name
-    alias = {"cpu": "cpu:0", "cpu:0": "cpu"}.get(name)
-    if alias in devices:
-        return alias
+def device_name(name, devices):
+    found = registry.lookup(name, devices)
+    if found is not None:
+        return found
     raise JitllmError(f"placement names device {name!r}, which is not in this engine's devices "
                       f"({', '.join(devices)})")

@@ -13,7 +13,7 @@ import numpy as np
 
 from . import costmodel as cm
 from . import ir
-from .cache import cache_dir, digest
+from .cache import cache_dir, digest, write_atomic
 from .plugin import Launch
 
 
@@ -22,7 +22,7 @@ def _measured(key, fn):
     if path.exists():
         return json.loads(path.read_text())
     value = fn()
-    path.write_text(json.dumps(value))
+    write_atomic(path, json.dumps(value).encode())
     return value
 
 
@@ -108,6 +108,3 @@ def to_placement(layout: cm.Layout, units=None) -> dict:
         out.setdefault(dev, {}).setdefault(res, []).append(u)
     return out
 
-
-def from_placement(placement: dict, units) -> cm.Layout:
-    return cm.Layout(tuple(placement[u] for u in units))

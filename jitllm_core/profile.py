@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 
+from .ir import STORAGE_DTYPES
 from .plugin import Launch
 
 
@@ -37,7 +38,8 @@ def profile_decode(eng, prompt_tokens=32, repeats=5, step_tokens=1):
                     for ln in eng._bind(u, seg.device, slot=slot, prefill=prefill):
                         prog = dev.program([Launch(ln.kernel, ln.buffers, ln.scalars)])
                         prog.run(values)
-                        nbytes = sum(b.nbytes for p, b in ln.buffers.items() if p in ("w",))
+                        w = ln.kernel.buffers.get("w")  # the weights (or their dequantized copy) it reads
+                        nbytes = w.size * STORAGE_DTYPES[w.dtype] if w else 0
                         rows.append((u, ln.kernel.name, _median_time(lambda: prog.run(values), repeats), nbytes))
             whole = _median_time(lambda: [(seg.prefill if prefill else seg.program).run(values)
                                           for seg in eng.segments], repeats)

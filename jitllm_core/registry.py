@@ -83,13 +83,19 @@ def devices():
     return out
 
 
+def lookup(name, names):
+    """The key of `names` that `name` means, or None: "cpu" and "cpu:0" name each other, so the same
+    placement works whether or not the CPU is split (JITLLM_CPU_DEVICES)."""
+    if name in names:
+        return name
+    alias = {"cpu": "cpu:0", "cpu:0": "cpu"}.get(name)
+    return alias if alias in names else None
+
+
 def device(name):
     devs = all_devices()
-    if name in devs:
-        return devs[name]
-    alias = {"cpu": "cpu:0", "cpu:0": "cpu"}.get(name)
-    if alias in devs:
-        return devs[alias]
+    if lookup(name, devs) is not None:
+        return devs[lookup(name, devs)]
     if not devs:
         raise JitllmError("no backend is installed or none found a device; install one, e.g. "
                           "`pip install jitllm-cpu-llvm` (from the repository: `pip install ./plugins/cpu_llvm`); "
