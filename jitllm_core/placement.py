@@ -11,15 +11,14 @@ from . import costmodel as cm
 from . import planner, registry
 from .errors import JitllmError
 
-# an accelerator beats the CPU backend; a Vulkan device that is itself a CPU emulation (lavapipe) does not
-_RANK = {"cuda": 3, "vulkan": 2, "cpu": 1}
 RESIDENCIES = ("resident", "streamed")  # host-compute is "resident on the host CPU device"
 
 
 def _rank(dev):
-    if dev.backend == "vulkan" and dev.caps.extra.get("device_type") == "cpu":
-        return 0
-    return _RANK.get(dev.backend, 1)
+    """Where a model that fits goes: an accelerator before the host CPU, and a device that is itself an
+    emulation on the CPU (caps.extra device_type "cpu", e.g. lavapipe) last; then the faster memory."""
+    emulated = dev.caps.extra.get("device_type") == "cpu" and dev.backend != "cpu"
+    return (0 if emulated else 1 if dev.backend == "cpu" else 2, dev.caps.bandwidth_Bps)
 
 
 def resolve(eng, placement, n_device_layers=None) -> dict:
@@ -49,7 +48,7 @@ def _planned(eng, n_device_layers):
     if n_device_layers is None and fits:  # the best device holds it all: no split to weigh
         eng.plan = cm.predict(cm.Layout(((best, "resident"),) * len(units)), hw, shp)
         return {u: (best, "resident") for u in units}
-    accel = next((n for n in sorted(devices, key=lambda n: -_rank(devices[n])) if n != host), None)
+    accel = next((n for n in sorted(devices, key=lambda n: _rank(devices[n]), reverse=True) if n != host), None)
     if n_device_layers is not None:
         eng.plan = cm.predict(cm.n_device_layers(int(n_device_layers), hw, shp, accel, "host"), hw, shp)
     else:

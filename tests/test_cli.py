@@ -2,7 +2,6 @@
 import io
 import json
 import re
-from types import SimpleNamespace
 
 from pathlib import Path
 
@@ -84,34 +83,23 @@ def test_run_streams_a_reply_and_a_summary(capsys):
     assert re.search(r"prompt tokens at .* tok/s; finish: (length|eos)\]", captured.err), captured.err
 
 
-class FakeEngine:
-    """Just enough of the engine for the chat session: a streamed reply and a migration."""
-    placement = {"embed": ("cpu", "resident"), 0: ("cpu", "resident"), 1: ("cpu", "resident"),
-                 "head": ("cpu", "resident")}
-    stats = {"steps": 3}
-
-    def __init__(self):
-        self.chats, self.moves = [], []
-
-    def chat(self, messages, stream, **sampling):
-        self.chats.append([m["content"] for m in messages])
-        return (SimpleNamespace(token_id=i, text=t) for i, t in enumerate(["Hello", " there"]))
-
-    def migrate(self, layers, device, wait):
-        self.moves.append((layers, device, wait))
-        return SimpleNamespace(result=lambda: "migrate units 0-1 -> cpu:1: pause 1.50 ms")
-
-
-def test_chat_session_commands(monkeypatch, capsys):
+def test_chat_session_commands(monkeypatch, capsys, default_model):
+    """A real engine on two CPU devices: two turns, /reset between them, a live /move and /placement."""
+    pytest.importorskip("jitllm_cpu_llvm")
+    from conftest import backend_device
+    import jitllm_core as jl
+    backend_device("cpu:1")
     monkeypatch.setattr("sys.stdin", io.StringIO("hi\n/move 0-1 cpu:1\n/placement\n/reset\nagain\n/quit\nignored\n"))
-    eng = FakeEngine()
-    assert ChatSession(eng, {"max_tokens": 4}).loop() == 0
+    eng = jl.Engine(default_model, devices=["cpu:0", "cpu:1"], placement="cpu:0", max_context=256)
+    session = ChatSession(eng, {"max_tokens": 4})
+    assert session.loop() == 0
     out, err = capsys.readouterr()
-    assert out.count("Hello there\n") == 2
-    assert eng.chats == [["hi"], ["again"]]  # /reset forgot the first turn
-    assert eng.moves == [("0-1", "cpu:1", False)]
-    assert "[migrate units 0-1 -> cpu:1: pause 1.50 ms]" in err
-    assert re.search(r"embed\.\.head\s+cpu\s+resident", err)
+    assert len([line for line in out.splitlines() if line.strip()]) == 2  # two replies
+    assert [m["content"] for m in session.messages if m["role"] == "user"] == ["again"]  # /reset forgot turn 1
+    assert re.search(r"\[migrate units 0-1 -> cpu:1: pause [0-9.]+ ms", err)
+    assert eng.placement[0][0] == "cpu:1" and eng.placement[5][0] == "cpu:0"
+    assert re.search(r"^\s*embed\S*\s+cpu:0", err, re.M)  # /placement's table
+    eng.close()
 
 
 def test_bench_report_ratios_and_bandwidth_fraction(capsys):

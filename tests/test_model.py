@@ -80,3 +80,11 @@ def test_chat_template(engines):
     assert "<|im_start|>user\nHi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
     r = eng.chat([{"role": "user", "content": "What is 2+2?"}], max_tokens=20)
     assert "4" in r.text
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(engines):
+    eng = engines["f16"]
+    for call in (lambda: eng.generate([1, 10 ** 8], max_tokens=2), lambda: eng.score([5, -1])):
+        with pytest.raises(jl.JitllmError, match="outside the vocabulary"):
+            call()
+    assert eng.generate("Hi", max_tokens=2).token_ids  # and the engine carries on
