@@ -166,14 +166,12 @@ class Engine:
         """Upload (or share) the unit's weights on dev_name; returns bytes uploaded. All or nothing."""
         ds, moved, taken = self._state(dev_name), 0, []
         try:
-            for name, (shape, as_f32) in self.model.weight_shapes(unit).items():
+            for name in self.model.weight_shapes(unit):
                 if name in ds.weights:
                     ds.weights[name][1] += 1
                     taken.append(name)
                     continue
-                data = self.model.host_data(name, unit)
-                if not as_f32:
-                    self.model.fmt(name, shape)  # validates type and row length before any kernel reads it
+                data = self.model.host_data(name, unit)  # validates type and row length
                 buf = ds.arena.alloc(data.nbytes)
                 ds.weights[name] = [buf, 1]
                 taken.append(name)
@@ -291,7 +289,7 @@ class Engine:
         """Copy a streamed unit's weights from host memory into its slot; returns bytes copied."""
         ds, moved = self.dev_state[seg.device], 0
         for name in self.model.weight_shapes(seg.streamed):
-            data = self.model.host_data(name, seg.streamed)
+            data = self.model.host_data(name, seg.streamed, keep=True)
             ds.dev.upload(ds.slots[seg.slot][_role(name)], data)
             moved += data.nbytes
         return moved

@@ -44,6 +44,8 @@ def _unary(op, a):
         return np.float32(np.array([a & 0xFFFF], np.uint16).view(np.float16)[0])
     if op == "bf16bits":
         return bf16_to_f32([a & 0xFFFF])[0]
+    if op == "f32bits":
+        return np.array([a], np.int32).view(np.float32)[0]
     with np.errstate(all="ignore"):
         if op == "rsqrt":
             return _f(1.0) / np.sqrt(a)

@@ -40,6 +40,7 @@ UNARY = {  # name -> (argument dtype or None for "same", result dtype or None fo
     "sin": ("f32", "f32"), "cos": ("f32", "f32"), "floor": ("f32", "f32"), "tanh": ("f32", "f32"),
     "f16bits": ("i32", "f32"),   # low 16 bits of an i32 read as an IEEE half
     "bf16bits": ("i32", "f32"),  # low 16 bits of an i32 read as a bfloat16
+    "f32bits": ("i32", "f32"),   # the 32 bits of an i32 read as an IEEE single
     "not": ("bool", "bool"),
 }
 
@@ -194,6 +195,7 @@ def cos(a): return Un("cos", f32(a))
 def log(a): return Un("log", f32(a))
 def f16bits(a): return Un("f16bits", a)
 def bf16bits(a): return Un("bf16bits", a)
+def f32bits(a): return Un("f32bits", a)
 
 
 def reduce(op, var, extent, fn, kind="serial") -> Reduce:

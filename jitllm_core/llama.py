@@ -15,7 +15,7 @@ import numpy as np
 
 from . import ir, ops
 from .errors import ModelFileError
-from .quant import dequant_kernel, get_format
+from .quant import dequant_kernel, get_format, packed_format, repack
 
 
 @dataclass
@@ -208,6 +208,7 @@ class Llama:
                                           f"head size {cfg.head_dim})")
         self.units = ["embed"] + list(range(cfg.n_layer)) + ["head"]
         self.head_tensor = "output.weight" if "output.weight" in mf.tensors else "token_embd.weight"
+        self._held = {}  # repacked weights of streamed units, which are read from host memory every step
 
     # -- sizes of the per-device activations
     def activations(self):
@@ -241,23 +242,36 @@ class Llama:
                       p + "attn_v.bias": ((kv,), True)})
         return w
 
-    def host_data(self, name, unit):
-        """A weight's bytes as a device holds it: a view of the mapped file, or f32 for norms and biases."""
+    def host_data(self, name, unit, keep=False):
+        """A weight's bytes as a device holds it: f32 for norms and biases; quantized tensors in their packed
+        layout (quant.repack; a view of the mapped file where there is none). keep: hold the result for later
+        calls (a streamed unit's weights are copied from host memory every step)."""
         shape, as_f32 = self.weight_shapes(unit)[name]
-        return self.mf.f32(name, shape) if as_f32 else self.mf.tensor(name, shape).raw()
+        if as_f32:
+            return self.mf.f32(name, shape)
+        if name in self._held:
+            return self._held[name]
+        data = repack(self._file_format(name, shape), self.mf.tensor(name, shape).raw())
+        if keep:
+            self._held[name] = data
+        return data
 
     def tensor_bytes(self, name, unit):
         """Bytes of a weight as a device holds it (norms and biases become f32)."""
         shape, as_f32 = self.weight_shapes(unit)[name]
-        return int(math.prod(shape)) * 4 if as_f32 else len(self.mf.tensors[name].raw())
+        return int(math.prod(shape)) * 4 if as_f32 else self.fmt(name, shape).nbytes(*shape)
 
     @functools.lru_cache(maxsize=None)
     def unit_bytes(self, unit):
         return sum(self.tensor_bytes(t, unit) for t in self.weight_shapes(unit))
 
-    def fmt(self, name, shape):
+    def _file_format(self, name, shape):
         t = self.mf.tensor(name, shape)
         return get_format(t.type_name, shape[-1], f"{self.mf.path}: tensor {name!r}")
+
+    def fmt(self, name, shape):
+        """The layout kernels read the tensor in: its file format's packed form."""
+        return packed_format(self._file_format(name, shape))
 
     def _mm(self, name, x, y, rows, cols, acc=False, bias=None, logits=False, prefill=False):
         """Matmul launches; only the LM head starts at the step's `t0`, layers need every token. For prefill,

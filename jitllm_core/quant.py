@@ -6,10 +6,17 @@ l)` lists, for lane l of group g of the block starting at storage index `base`, 
 pairs that lane yields -- written so that lanes read contiguous bytes, which is what makes them SIMD-friendly
 on every backend. Dot products (`row_dot`) and dequantization (`dequant_kernel`) are both derived from
 `terms`, so a new format added here works everywhere, with no plugin change.
+
+GGUF's block layouts keep their scales as f16 (or 6-bit fields), which costs a SIMD unit several instructions
+per block to decode. At load, the ggml 4- and 6-bit formats are repacked (`repack`) into layouts of the same
+values with f32 scales inside each block (A4, Q6_Kf): the values are bit-identical, a block costs a load and
+multiply-adds, and every backend reads them through the same `terms`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 from . import ir
 from .errors import ModelFileError
@@ -23,6 +30,10 @@ def _u16(k, buf, i):
 
 def _half(k, buf, i):
     return ir.f16bits(_u16(k, buf, i))
+
+
+def _f32(k, buf, i):
+    return ir.f32bits(_u16(k, buf, i) | (_u16(k, buf, i + 2) << 16))
 
 
 def _i8(v):
@@ -82,9 +93,20 @@ class Q4_0(Format):
 
 
 class Q4_1(Format):
+    def scale_min(self, k, buf, base):
+        return _half(k, buf, base), _half(k, buf, base + 2), 4
+
     def terms(self, k, buf, base, g, l):
-        d, m, q = _half(k, buf, base), _half(k, buf, base + 2), k.load(buf, base + 4 + l)
+        d, m, qs = self.scale_min(k, buf, base)
+        q = k.load(buf, base + qs + l)
         return [(l, d * F(q & 15) + m), (l + 16, d * F(q >> 4) + m)]
+
+
+class A4(Q4_1):
+    """Affine 4-bit blocks of 32, the repacked form of Q4_0, Q4_1 and Q4_K: [scale f32][min f32][16 bytes],
+    byte l holding element l (low nibble) and element l + 16 (high nibble); value = scale * q + min."""
+    def scale_min(self, k, buf, base):
+        return _f32(k, buf, base), _f32(k, buf, base + 4), 8
 
 
 def _k4_scale_min(k, buf, base, s):
@@ -109,16 +131,25 @@ class Q4_K(Format):
 
 class Q6_K(Format):
     # ql[128] low nibbles, qh[64] high 2-bit pairs, 16 int8 scales, d (f16); group g = (half n, 16-lane part h)
+    def scale(self, k, buf, base, i):
+        """d * scale i of the block (the 16 sub-blocks' scales)."""
+        return _half(k, buf, base + 208) * F(_i8(k.load(buf, base + 192 + i)))
+
     def terms(self, k, buf, base, g, j):
         n, h = g // 2, g % 2
         l = h * 16 + j
-        d = _half(k, buf, base + 208)
         a, b = k.load(buf, base + 64 * n + l), k.load(buf, base + 64 * n + 32 + l)
         qh = k.load(buf, base + 128 + 32 * n + l)
-        sc = lambda q: d * F(_i8(k.load(buf, base + 192 + 8 * n + h + 2 * q)))
+        sc = lambda q: self.scale(k, buf, base, 8 * n + h + 2 * q)
         q = [(a & 15) | ((qh & 3) << 4), (b & 15) | (((qh >> 2) & 3) << 4),
              (a >> 4) | (((qh >> 4) & 3) << 4), (b >> 4) | (((qh >> 6) & 3) << 4)]
         return [(128 * n + 32 * i + l, sc(i) * F(q[i] - 32)) for i in range(4)]
+
+
+class Q6_Kf(Q6_K):
+    """Q6_K with its 16 scales multiplied out to f32: ql[128], qh[64], 16 x f32."""
+    def scale(self, k, buf, base, i):
+        return _f32(k, buf, base + 192 + 4 * i)
 
 
 FORMATS = {
@@ -131,6 +162,64 @@ FORMATS = {
     "Q4_K": Q4_K("Q4_K", 256, 144, "u8", 4, 32),
     "Q6_K": Q6_K("Q6_K", 256, 210, "u8", 4, 16),
 }
+
+
+PACKED = {
+    "A4": A4("A4", 32, 24, "u8", 1, 16),
+    "Q6_Kf": Q6_Kf("Q6_Kf", 256, 256, "u8", 4, 16),
+}
+
+
+def _f16_at(blocks, off):
+    return blocks[:, off:off + 2].copy().view(np.float16)[:, 0].astype(np.float32)
+
+
+def _f32_bytes(v):
+    return np.ascontiguousarray(v, "<f4").view(np.uint8).reshape(len(v), -1)
+
+
+def _a4(scale, mn, nibbles):
+    return np.concatenate([_f32_bytes(scale), _f32_bytes(mn), nibbles], axis=1)
+
+
+def _pack_q4_0(b):
+    d = _f16_at(b, 0)
+    return _a4(d, -8 * d, b[:, 2:18])
+
+
+def _pack_q4_1(b):
+    return _a4(_f16_at(b, 0), _f16_at(b, 2), b[:, 4:20])
+
+
+def _pack_q4_k(b):
+    d, dmin, s = _f16_at(b, 0), _f16_at(b, 2), b[:, 4:16].astype(np.uint16)
+    sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 15) | ((s[:, 0:4] >> 6) << 4)], axis=1)
+    mn = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
+    qs = b[:, 16:144].reshape(-1, 4, 1, 32)
+    q = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(-1, 32)      # sub-block 2p, then 2p + 1
+    return _a4((d[:, None] * sc).reshape(-1), -(dmin[:, None] * mn).reshape(-1), q[:, :16] | (q[:, 16:] << 4))
+
+
+def _pack_q6_k(b):
+    scales = _f16_at(b, 208)[:, None] * b[:, 192:208].view(np.int8)
+    return np.concatenate([b[:, :192], _f32_bytes(scales.reshape(-1)).reshape(len(b), 64)], axis=1)
+
+
+REPACK = {"Q4_0": ("A4", _pack_q4_0), "Q4_1": ("A4", _pack_q4_1), "Q4_K": ("A4", _pack_q4_k),
+          "Q6_K": ("Q6_Kf", _pack_q6_k)}
+
+
+def packed_format(fmt: Format) -> Format:
+    """The layout a device holds fmt's tensors in (fmt itself when it has no repacked form)."""
+    return PACKED[REPACK[fmt.name][0]] if fmt.name in REPACK else fmt
+
+
+def repack(fmt: Format, raw: np.ndarray) -> np.ndarray:
+    """raw bytes of fmt's blocks -> the same values in packed_format(fmt)'s layout (uint8)."""
+    if fmt.name not in REPACK:
+        return raw
+    blocks = np.asarray(raw, np.uint8).reshape(-1, fmt.unit)
+    return np.ascontiguousarray(REPACK[fmt.name][1](blocks)).reshape(-1)
 
 
 def get_format(type_name, cols, where=""):

@@ -72,6 +72,16 @@ def half_bits(n=24):
     return k
 
 
+def word_bits(n=12):
+    """f32 scalars stored inside a byte buffer, as repacked quantized blocks hold them."""
+    k = ir.Kernel("word_bits")
+    k.buffer("raw", "u8", n * 4), k.buffer("o", "f32", n, True)
+    with k.parallel("i", n) as i:
+        bits = k.load("raw", i * 4) | (k.load("raw", i * 4 + 1) << 8) | (k.load("raw", i * 4 + 2) << 16)
+        k.store("o", i, ir.f32bits(bits | (k.load("raw", i * 4 + 3) << 24)))
+    return k
+
+
 def reductions(rows=5, cols=45):
     k = ir.Kernel("reductions")
     k.buffer("x", "f32", rows * cols), k.buffer("o", "f32", rows * 8, True)
@@ -174,6 +184,7 @@ CASES = {
     "integer_ops": (integer_ops, {}),
     "storage_types": (storage_types, {}),
     "half_bits": (half_bits, {}),
+    "word_bits": (word_bits, {}),
     "reductions": (reductions, {"n": 13}),
     "long_reduction": (long_reduction, {}),
     "vector_loops": (vector_loops, {}),
@@ -195,4 +206,6 @@ def inputs_for(k: ir.Kernel, seed=0):
     if k.name == "half_bits":  # avoid NaN patterns, whose payload is not portable
         bufs["raw"] = np.frombuffer(rng.standard_normal(k.buffers["raw"].size // 2).astype(np.float16).tobytes(),
                                     np.uint8).copy()
+    if k.name == "word_bits":
+        bufs["raw"] = rng.standard_normal(k.buffers["raw"].size // 4).astype(np.float32).view(np.uint8).copy()
     return bufs

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from backend_check import run_on_device
-from jitllm_core import interp, ir, quant
+from jitllm_core import interp, ir, ops, quant
 
 gguf = pytest.importorskip("gguf")
 HALF_OFFSETS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [208]}
@@ -53,6 +53,27 @@ def test_row_dot_matches_gguf(cpu, name):
         k.store("y", r, fmt.row_dot(k, "w", r, cols, lambda c: k.load("x", c)))
     x = rng.standard_normal(cols).astype(np.float32)
     y = run_on_device(cpu, k.finish(), {"w": w, "x": x, "y": np.zeros(rows, np.float32)}, {})["y"]
+    want = ref.astype(np.float64) @ x
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("name", sorted(quant.REPACK))
+def test_repacked_layout_holds_the_same_values(cpu, name):
+    """The load-time repacking (f32 scales inside blocks) changes no value: dequantized and dotted on the device,
+    the packed tensor equals gguf's reference exactly / to rounding."""
+    rows, cols = 3, 768
+    rng = np.random.default_rng(11)
+    w, ref = random_tensor(name, rows, cols, rng)
+    fmt = quant.packed_format(quant.get_format(name, cols))
+    assert fmt.name != name
+    packed = quant.repack(quant.get_format(name, cols), w)
+    assert packed.size == fmt.nbytes(rows, cols)
+    k = quant.dequant_kernel(fmt, rows, cols)
+    got = run_on_device(cpu, k, {"w": packed, "out": np.zeros(rows * cols, np.float32)}, {})["out"]
+    np.testing.assert_array_equal(got.reshape(rows, cols), ref)
+    x = rng.standard_normal(cols).astype(np.float32)
+    mm = ops.matmul(fmt, rows, cols, 1)
+    y = run_on_device(cpu, mm, {"w": packed, "x": x, "y": np.zeros(rows, np.float32)}, {"n_tokens": 1, "t0": 0})["y"]
     want = ref.astype(np.float64) @ x
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 

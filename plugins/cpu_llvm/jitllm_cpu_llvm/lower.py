@@ -21,7 +21,8 @@ STORAGE = {"f32": F32, "f16": F16, "bf16": I16, "u8": I8, "i8": I8, "i32": I32}
 FM = ("contract",)  # lets LLVM fuse multiply-add; reductions are reassociated only by this lowering
 UNROLL_MAX = 64
 UNROLL_ACCS = 4  # vector accumulators of a long reduction
-PREFETCH = 1024  # bytes ahead that contiguous loads of read-only buffers prefetch (weights stream from DRAM)
+PREFETCH = 1024  # bytes ahead that contiguous loads of large read-only buffers prefetch (weights stream from DRAM)
+PREFETCH_MIN = 256 << 10  # smaller buffers (activations) stay in cache
 
 BARRIER_IR = """
 declare i32 @sched_yield()
@@ -99,6 +100,7 @@ class KernelLowering:
         self.tid, self.nth, self.bar = a[nb + ns], a[nb + ns + 1], a[nb + ns + 2]
         self.env = {name: a[nb + i] for i, name in enumerate(kernel.scalars)}
         self.mutable = {}  # Local name -> alloca
+        self.memo = {}  # IR node id -> VVal within one vector body (a block's bytes are loaded once)
         self.module = module
 
     # ------------------------------------------------------------------ helpers
@@ -320,8 +322,10 @@ class KernelLowering:
             return b.select(b.icmp_signed("<", x, self.splat_like(x, I32, 0)), b.sub(self.splat_like(x, I32, 0), x), x)
         if op == "not":
             return b.not_(x)
-        if op in ("f16bits", "bf16bits"):
+        if op in ("f16bits", "bf16bits", "f32bits"):
             ty = _shaped_like(x)
+            if op == "f32bits":
+                return b.bitcast(x, ty(F32))
             if op == "f16bits":
                 return b.fpext(b.bitcast(b.trunc(x, ty(I16)), ty(F16)), ty(F32))
             return b.bitcast(b.shl(b.and_(x, self.splat_like(x, I32, 0xFFFF)), self.splat_like(x, I32, 16)), ty(F32))
@@ -426,7 +430,12 @@ class KernelLowering:
         return b.add(splat, L.Constant(L.VectorType(I32, W), [v.stride * j for j in range(W)]))
 
     def vexpr(self, e, venv):
-        """Evaluate e with lane-varying names in venv (name -> VVal)."""
+        """Evaluate e with lane-varying names in venv (name -> VVal); a node used twice is evaluated once."""
+        if id(e) not in self.memo:
+            self.memo[id(e)] = (e, self._vexpr(e, venv))  # e kept alive so that its id is not reused
+        return self.memo[id(e)][1]
+
+    def _vexpr(self, e, venv):
         b = self.b
         if isinstance(e, ir.Var) and e.name in venv:
             return venv[e.name]
@@ -440,7 +449,8 @@ class KernelLowering:
             if idx.kind == "lin" and idx.stride == 1:
                 vt = L.VectorType(STORAGE[dt], self.W)
                 ptr = b.gep(self.ptrs[e.buf], [idx.val], source_etype=STORAGE[dt])
-                if PREFETCH and not self.k.buffers[e.buf].write:
+                p = self.k.buffers[e.buf]
+                if PREFETCH and not p.write and p.size * ir.STORAGE_DTYPES[p.dtype] >= PREFETCH_MIN:
                     ahead = b.gep(ptr, [L.Constant(I32, PREFETCH)], source_etype=I8)
                     b.call(self.prefetch(), [ahead, L.Constant(I32, 0), L.Constant(I32, 3), L.Constant(I32, 1)])
                 v = b.load(ptr, typ=vt, align=1)
@@ -492,10 +502,12 @@ class KernelLowering:
         def vbody(i):
             base = self.b.add(start, i)
             venv = {s.var: VVal("lin", base, 1)}
+            self.memo = {}
             for st in s.body:
                 if isinstance(st, ir.Let):
                     venv[st.name] = self.vexpr(st.value, venv)
                     continue
+                self.memo = {}  # a store may change what a later load reads
                 idx, val = self.vexpr(st.index, venv), self.vexpr(st.value, venv)
                 dt = self.k.buffers[st.buf].dtype
                 if idx.kind == "lin" and idx.stride == 1:
@@ -524,8 +536,13 @@ class KernelLowering:
         W = self.W
 
         def chunk(acc, i):
-            v = self.to_vec(self.vexpr(e.value, {e.var: VVal("lin", i, 1)}), dt)
-            self.b.store(self.combine(e.op, self.b.load(acc), v, dt), acc)
+            # each term of a sum goes into the accumulator on its own (a multiply-add each)
+            self.memo = {}
+            venv = {e.var: VVal("lin", i, 1)}
+            for t in _terms(e.value) if e.op == "add" else [e.value]:
+                v = self.to_vec(self.vexpr(t, venv), dt)
+                self.b.store(self.combine(e.op, self.b.load(acc), v, dt), acc)
+            self.memo = {}
         done = L.Constant(I32, 0)
         if isinstance(ext, L.Constant) and ext.constant >= UNROLL_ACCS * W:
             # long reductions: several accumulators, so that the add latency does not bound the loop
@@ -569,6 +586,13 @@ def _vector_parts(e):
         else:
             return None
     return parts
+
+
+def _terms(e):
+    """The summands of an f32 sum tree."""
+    if isinstance(e, ir.Bin) and e.op == "add" and e.dtype == "f32":
+        return _terms(e.a) + _terms(e.b)
+    return [e]
 
 
 def _shaped_like(v):

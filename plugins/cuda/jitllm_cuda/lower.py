@@ -473,6 +473,8 @@ class _Function:
             return f"(1.0f / sqrtf({a}))"   # rsqrtf is approximate; keep IEEE sqrt and division
         if op == "f16bits":
             return f"jl_f16((unsigned)({a}) & 0xFFFFu)"
+        if op == "f32bits":
+            return f"__int_as_float({a})"
         if op == "bf16bits":
             return f"jl_bf16((unsigned)({a}))"
         return f"{op}f({a})"     # exp log sqrt sin cos floor tanh

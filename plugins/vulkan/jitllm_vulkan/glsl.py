@@ -418,6 +418,8 @@ class _Segment:
                 return f"({'-' if e.op == 'neg' else '!'}{a})"
             if e.op == "f16bits":
                 return f"f16_f32(uint({a}) & 0xffffu)"
+            if e.op == "f32bits":
+                return f"intBitsToFloat({a})"
             if e.op == "bf16bits":
                 return f"uintBitsToFloat((uint({a}) & 0xffffu) << 16)"
             return f"{UNARY_FN[e.op]}({a})"
