@@ -284,9 +284,8 @@ class Llama:
         if not prefill:
             return [LaunchTemplate(ops.matmul(fmt, rows, cols, self.T, accumulate=acc, bias=bias is not None),
                                    bufs, scalars)]
-        f32 = get_format("F32", cols)
         return [LaunchTemplate(dequant_kernel(fmt, rows, cols), {"w": f"w:{name}", "out": "a:wdq"}),
-                LaunchTemplate(ops.matmul(f32, rows, cols, self.T, accumulate=acc, bias=bias is not None),
+                LaunchTemplate(ops.gemm(rows, cols, self.T, accumulate=acc, bias=bias is not None),
                                {**bufs, "w": "a:wdq"}, scalars)]
 
     def unit_launches(self, unit, prefill=False):

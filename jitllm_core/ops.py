@@ -61,6 +61,37 @@ def matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=Fal
     return k.finish()
 
 
+def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, tile=4) -> ir.Kernel:
+    """The prefill matmul, on f32 weights (a layer matrix dequantized once per step): y[t, r] (+)= W[r, :] . x[t, :]
+    (+ b[r]) for t in [t0, n_tokens). Each iteration computes a tile of `tile` rows x `tile` tokens whose dot
+    products run over the same columns and share their loads (the same W and x nodes), so that a backend can keep
+    the tile in registers and feed each loaded vector to `tile` multiply-adds."""
+    R = tile if rows % tile == 0 else 1
+    k = ir.Kernel(f"gemm_{rows}x{cols}_T{T}_{R}x{tile}{'_acc' if accumulate else ''}{'_bias' if bias else ''}")
+    k.buffer("w", "f32", rows * cols), k.buffer("x", "f32", T * cols)
+    if bias:
+        k.buffer("b", "f32", rows)
+    k.buffer("y", "f32", T * rows, True)
+    n, t0 = k.scalar("n_tokens"), k.scalar("t0")
+    groups = (n - t0 + (tile - 1)) // tile
+    with k.parallel("rt", rows // R * groups) as rt:
+        r0, tq = k.let("r0", rt // groups * R), k.let("tq", t0 + rt % groups * tile)
+        ts = [k.let(f"t{j}", ir.vmin(tq + j, n - 1)) for j in range(tile)]  # a partial tile repeats its last token
+        c = ir.Var("c")
+        ws = [k.load("w", (r0 + i) * cols + c) for i in range(R)]
+        xs = [k.load("x", t * cols + c) for t in ts]
+        dots = [[k.let(f"d{i}_{j}", ir.Reduce("add", "c", ir.as_expr(cols), ws[i] * xs[j], "vector"))
+                 for j in range(tile)] for i in range(R)]
+        for j in range(tile):
+            with k.if_(tq + j < n):
+                for i in range(R):
+                    v = dots[i][j] + k.load("b", r0 + i) if bias else dots[i][j]
+                    if accumulate:
+                        v = k.load("y", ts[j] * rows + r0 + i) + v
+                    k.store("y", ts[j] * rows + r0 + i, v)
+    return k.finish()
+
+
 def rope(n_heads: int, head_dim: int, T: int) -> ir.Kernel:
     """Rotate adjacent pairs (x[2i], x[2i+1]) by (pos + t) * freq[i] (GGUF llama layout)."""
     half = head_dim // 2

@@ -167,8 +167,14 @@ class KernelLowering:
     def block(self, body, bind):
         saved = dict(self.env)
         self.env.update(bind)
-        for s in body:
-            self.stmt(s)
+        i = 0
+        while i < len(body):
+            run = self.sibling_reduces(body, i)
+            if len(run) > 1:
+                self.fused_reduces(run)
+            else:
+                self.stmt(body[i])
+            i += len(run)
         self.env = saved
 
     def stmt(self, s):
@@ -556,11 +562,55 @@ class KernelLowering:
                 self.b.store(self.combine(e.op, self.b.load(vacc), self.b.load(a), dt), vacc)
         main = self.split_extent(ext)
         self.loop(done, main, lambda i: chunk(vacc, i), step=W)
-        if not (isinstance(ext, L.Constant) and ext.constant % W == 0):
-            def sbody(i):
-                v = self.with_bind({e.var: i}, lambda: self.expr(e.value))
-                self.b.store(self.combine(e.op, self.b.load(sacc), v, dt), sacc)
-            self.loop(main, ext, sbody)
+        self.scalar_tail(e, sacc, main, ext)
+
+    def sibling_reduces(self, body, i):
+        """body[i] and the Lets after it that are vector reduces over the same loop (variable, op and constant
+        extent), independent of each other: a register tile (ops.gemm) computed in one loop."""
+        def fits(s, first=None):
+            e = s.value if isinstance(s, ir.Let) else None
+            if not (isinstance(e, ir.Reduce) and e.kind == "vector" and isinstance(e.extent, ir.Const)
+                    and self.vectorizable_expr(e.value)):
+                return False
+            return first is None or (e.var, e.op, e.extent.value) == (first.var, first.op, first.extent.value)
+        if not fits(body[i]):
+            return [body[i]]
+        run, names = [body[i]], {body[i].name}
+        for s in body[i + 1:]:
+            if not fits(s, run[0].value) or names & _var_names(s.value.value):
+                break
+            run.append(s)
+            names.add(s.name)
+        return run
+
+    def fused_reduces(self, run):
+        first = run[0].value
+        op, dt, ext = first.op, first.value.dtype, self.expr(first.extent)
+        accs = [self.vector_accumulators(op, dt) for _ in run]
+
+        def chunk(i):
+            self.memo = {}  # shared by the tile: each loaded vector is loaded once
+            venv = {first.var: VVal("lin", i, 1)}
+            for s, (vacc, _) in zip(run, accs):
+                for t in _terms(s.value.value) if op == "add" else [s.value.value]:
+                    self.b.store(self.combine(op, self.b.load(vacc), self.to_vec(self.vexpr(t, venv), dt), dt), vacc)
+            self.memo = {}
+        main = self.split_extent(ext)
+        self.loop(L.Constant(I32, 0), main, chunk, step=self.W)
+        for s, a in zip(run, accs):
+            self.scalar_tail(s.value, a[1], main, ext)
+            self.env[s.name] = self.finish_accumulators(op, dt, a)
+
+    def scalar_tail(self, e, sacc, start, ext):
+        """The iterations [start, ext) of reduce e that do not fill a vector, into the scalar accumulator."""
+        if isinstance(ext, L.Constant) and ext.constant % self.W == 0:
+            return
+        dt = e.value.dtype
+
+        def body(i):
+            v = self.with_bind({e.var: i}, lambda: self.expr(e.value))
+            self.b.store(self.combine(e.op, self.b.load(sacc), v, dt), sacc)
+        self.loop(start, ext, body)
 
     def finish_accumulators(self, op, dt, accs):
         b = self.b
@@ -586,6 +636,14 @@ def _vector_parts(e):
         else:
             return None
     return parts
+
+
+def _var_names(e):
+    if isinstance(e, ir.Var):
+        return {e.name}
+    if isinstance(e, ir.Reduce):
+        return _var_names(e.extent) | _var_names(e.value)
+    return set().union(*(_var_names(c) for c in _children(e)))
 
 
 def _terms(e):
