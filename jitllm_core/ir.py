@@ -426,6 +426,8 @@ def check(k: Kernel):
                 _want(ex(s.index, env), "i32", "store index")
                 _want(ex(s.value, env), COMPUTE_OF[k.buffers[s.buf].dtype], f"value stored to {s.buf}")
             elif isinstance(s, (Let, Local)):
+                if s.name in k.scalars:  # backends bind scalars once per launch; a Let cannot rebind one
+                    raise IRError(f"{k.name}: {type(s).__name__.lower()} {s.name!r} shadows the scalar parameter")
                 env[s.name] = ex(s.value if isinstance(s, Let) else s.init, env)
             elif isinstance(s, Assign):
                 if s.name not in env:

@@ -76,7 +76,7 @@ def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, tile=4) -> 
     groups = (n - t0 + (tile - 1)) // tile
     with k.parallel("rt", rows // R * groups) as rt:
         r0, tq = k.let("r0", rt // groups * R), k.let("tq", t0 + rt % groups * tile)
-        ts = [k.let(f"t{j}", ir.vmin(tq + j, n - 1)) for j in range(tile)]  # a partial tile repeats its last token
+        ts = [k.let(f"tok{j}", ir.vmin(tq + j, n - 1)) for j in range(tile)]  # a partial tile repeats its last token
         c = ir.Var("c")
         ws = [k.load("w", (r0 + i) * cols + c) for i in range(R)]
         xs = [k.load("x", t * cols + c) for t in ts]

@@ -21,8 +21,8 @@ STORAGE = {"f32": F32, "f16": F16, "bf16": I16, "u8": I8, "i8": I8, "i32": I32}
 FM = ("contract",)  # lets LLVM fuse multiply-add; reductions are reassociated only by this lowering
 UNROLL_MAX = 64
 UNROLL_ACCS = 4  # vector accumulators of a long reduction
-PREFETCH = 1024  # bytes ahead that contiguous loads of large read-only buffers prefetch (weights stream from DRAM)
-PREFETCH_MIN = 256 << 10  # smaller buffers (activations) stay in cache
+PREFETCH = 4096  # bytes ahead that contiguous loads of large read-only byte buffers prefetch: quantized weights
+PREFETCH_MIN = 256 << 10  # stream from DRAM; smaller buffers (and f32 tiles, reused from cache) are left alone
 
 BARRIER_IR = """
 declare i32 @sched_yield()
@@ -456,7 +456,7 @@ class KernelLowering:
                 vt = L.VectorType(STORAGE[dt], self.W)
                 ptr = b.gep(self.ptrs[e.buf], [idx.val], source_etype=STORAGE[dt])
                 p = self.k.buffers[e.buf]
-                if PREFETCH and not p.write and p.size * ir.STORAGE_DTYPES[p.dtype] >= PREFETCH_MIN:
+                if PREFETCH and not p.write and p.dtype == "u8" and p.size >= PREFETCH_MIN:
                     ahead = b.gep(ptr, [L.Constant(I32, PREFETCH)], source_etype=I8)
                     b.call(self.prefetch(), [ahead, L.Constant(I32, 0), L.Constant(I32, 3), L.Constant(I32, 1)])
                 v = b.load(ptr, typ=vt, align=1)
