@@ -4,8 +4,10 @@ is installed, and decode's fraction of the machine's measured memory read bandwi
 Method, per thread count: one jitllm Engine and one llama.cpp context with that many threads, on the same file
 and the same prompt token ids; one warm-up run of each, then `repeats` runs interleaved A B A B; medians.
 Prompt tok/s = prompt tokens / prefill time; decode tok/s = decode steps / their time (greedy, EOS ignored).
-Read bandwidth: a NumPy sum over a 512 MB array split over the same number of threads (STREAM-style read),
-best of 5. Decode's fraction of it = bytes read per token x decode tok/s / bandwidth.
+Read bandwidth: the engine's device summing a 256 MB f32 matrix with a kernel of its own, on the same threads
+(planner.read_bandwidth), best of 5, in the same run. Decode's fraction of it = bytes read per token x decode
+tok/s / bandwidth, where jitllm's bytes are what its engine counts (weights in their packed layout) and
+llama.cpp's are the GGUF file's tensors.
 """
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ import os
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -21,22 +22,10 @@ from .cli import print_table
 from .engine import Engine
 from .errors import JitllmError
 from .gguf import GGUFFile
+from .planner import read_bandwidth
 
 PROMPT_TEXT = ("The history of compilers begins with the first high-level languages, when programmers wrote "
                "machine code by hand and dreamed of letting the machine translate their formulas. ")
-
-
-def read_bandwidth(threads: int, nbytes: int = 512 << 20, runs: int = 5) -> float:
-    """Bytes/s that `threads` threads reach reading (summing) a float64 array of nbytes."""
-    a = np.ones(nbytes // 8)
-    chunks = np.array_split(a, threads)
-    best = float("inf")
-    with ThreadPoolExecutor(threads) as pool:
-        for _ in range(runs):
-            start = time.perf_counter()
-            list(pool.map(np.sum, chunks))
-            best = min(best, time.perf_counter() - start)
-    return a.nbytes / best
 
 
 def gguf_bytes_per_token(path: str) -> int:
@@ -108,13 +97,13 @@ def run_bench(model=None, devices=None, kv_dtype="f16", threads=(1, 2), prompt_t
     if prompt_tokens < 1 or decode_tokens < 1 or repeats < 1:
         raise JitllmError("bench: --prompt-tokens, --decode-tokens and --repeats must be at least 1")
     out = out or sys.stdout
-    results, model_path, bytes_source = [], None, None
+    results, model_path = [], None
     for n in threads:
-        print(f"bench: {n} thread(s): measuring read bandwidth, loading, warming up ...", file=sys.stderr)
-        bandwidth = read_bandwidth(n)
+        print(f"bench: {n} thread(s): loading, measuring read bandwidth, warming up ...", file=sys.stderr)
         eng = Engine(model=model, devices=devices or ["cpu"], threads=n, kv_dtype=kv_dtype)
         peer = None
         try:
+            bandwidth = read_bandwidth(next(iter(eng.devices.values())), rows=16384, runs=5)
             model_path = eng.model_path
             ids = prompt_ids(eng.tokenizer, prompt_tokens)
             if llama_cpp:
@@ -128,10 +117,8 @@ def run_bench(model=None, devices=None, kv_dtype="f16", threads=(1, 2), prompt_t
                 if r:
                     for name, m in measured.items():
                         runs[name].append(m)
-            bytes_per_token = eng.stats.get("bytes_per_token")
-            bytes_source = "counted by the engine"
-            if not bytes_per_token and os.path.isfile(model_path):
-                bytes_per_token, bytes_source = gguf_bytes_per_token(model_path), "the GGUF file's tensors"
+            file_bytes = gguf_bytes_per_token(model_path) if os.path.isfile(model_path) else None
+            bytes_per_token = {"jitllm": eng.stats.get("bytes_per_token") or file_bytes, "llama.cpp": file_bytes}
         finally:
             eng.close()
             if peer:
@@ -142,19 +129,20 @@ def run_bench(model=None, devices=None, kv_dtype="f16", threads=(1, 2), prompt_t
                 row[name] = {"prompt_tok_s": statistics.median(m[0] for m in ms),
                              "decode_tok_s": statistics.median(m[1] for m in ms)}
         results.append(row)
-    print_report(results, model_path, prompt_tokens, decode_tokens, repeats, bytes_source, out)
+    print_report(results, model_path, prompt_tokens, decode_tokens, repeats, out)
     return results
 
 
-def print_report(results, model_path, prompt_tokens, decode_tokens, repeats, bytes_source, out):
+def print_report(results, model_path, prompt_tokens, decode_tokens, repeats, out):
     peer = any("llama.cpp" in r for r in results)
     engines = ["jitllm", "llama.cpp"] if peer else ["jitllm"]
     bpt = results[0]["bytes_per_token"]
     print(f"model: {model_path}", file=out)
     print(f"{prompt_tokens}-token prompt, {decode_tokens} decode steps; medians of {repeats} runs after a warm-up"
           + (", jitllm and llama.cpp interleaved" if peer else ""), file=out)
-    print(f"bytes read per token: {bpt / 1e6:.1f} MB ({bytes_source})" if bpt else
-          "bytes read per token: unknown", file=out)
+    source = {"jitllm": "counted by its engine: weights in their packed layout", "llama.cpp": "the GGUF file's tensors"}
+    print("bytes read per token: " + "; ".join(f"{e} {bpt[e] / 1e6:.1f} MB ({source[e]})" if bpt.get(e) else
+                                               f"{e} unknown" for e in engines), file=out)
     header = ["threads"]
     for what in ("prompt", "decode"):
         header += [f"{what} {e}" for e in engines] + (["ratio"] if peer else [])
@@ -168,7 +156,7 @@ def print_report(results, model_path, prompt_tokens, decode_tokens, repeats, byt
                 row.append(f"{r['jitllm'][what] / r['llama.cpp'][what]:.2f}x" if "llama.cpp" in r else "-")
         row.append(f"{r['bandwidth_Bps'] / 1e9:.1f}")
         b = r["bytes_per_token"]
-        row += [f"{100 * b * r[e]['decode_tok_s'] / r['bandwidth_Bps']:.0f}%" if b and e in r else "-"
+        row += [f"{100 * b[e] * r[e]['decode_tok_s'] / r['bandwidth_Bps']:.0f}%" if b.get(e) and e in r else "-"
                 for e in engines]
         rows.append(row)
     print_table(header, rows, file=out, right=range(len(header)))

@@ -34,7 +34,9 @@ def rmsnorm(dim: int, T: int, eps: float) -> ir.Kernel:
     k.buffer("x", "f32", T * dim), k.buffer("w", "f32", dim), k.buffer("out", "f32", T * dim, True)
     n = k.scalar("n_tokens")
     with k.parallel("t", n) as t:
-        ss = ir.reduce("add", "i", dim, lambda i: k.load("x", t * dim + i) * k.load("x", t * dim + i), "reduce")
+        # summed in order: with an f16 KV cache the logits sit near the 5e-2 bound (from the cache's rounding), and a
+        # vectorized order of this sum measured 0.0504 on one reference prompt, the serial one 0.026
+        ss = ir.reduce("add", "i", dim, lambda i: k.load("x", t * dim + i) * k.load("x", t * dim + i), "serial")
         r = k.let("r", ir.rsqrt(ss / float(dim) + eps))
         with k.loop("i", dim, "vector") as i:
             k.store("out", t * dim + i, k.load("x", t * dim + i) * r * k.load("w", i))

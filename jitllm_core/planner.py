@@ -26,25 +26,28 @@ def _measured(key, fn):
     return value
 
 
-def device_bandwidth(dev):
+def read_bandwidth(dev, rows=4096, runs=3):
     """STREAM-style read bandwidth of a device's memory, measured with a kernel of its own: every row of a
-    64 MB matrix summed, rows spread over the device's threads or workgroups."""
-    def run():
-        rows, cols = 4096, 4096
-        k = ir.Kernel(f"read_bandwidth_{rows}x{cols}")
-        k.buffer("x", "f32", rows * cols), k.buffer("y", "f32", rows, True)
-        with k.parallel("r", rows) as r:
-            k.store("y", r, ir.reduce("add", "c", cols, lambda c: k.load("x", r * cols + c), "reduce"))
-        x, y = dev.alloc(rows * cols * 4), dev.alloc(rows * 4)
-        try:
-            dev.upload(x, np.ones(rows * cols, np.float32))
-            prog = dev.program([Launch(k.finish(), {"x": x, "y": y})])
-            prog.run({})
-            return rows * cols * 4 / min(_timed(lambda: prog.run({})) for _ in range(3))
-        finally:
-            dev.free(x)
-            dev.free(y)
-    return _measured(("device-read", dev.backend, dev.describe()), run)
+    rows x 4096 f32 matrix (64 MB by default) summed, rows spread over the device's threads or workgroups."""
+    cols = 4096
+    k = ir.Kernel(f"read_bandwidth_{rows}x{cols}")
+    k.buffer("x", "f32", rows * cols), k.buffer("y", "f32", rows, True)
+    with k.parallel("r", rows) as r:
+        k.store("y", r, ir.reduce("add", "c", cols, lambda c: k.load("x", r * cols + c), "reduce"))
+    x, y = dev.alloc(rows * cols * 4), dev.alloc(rows * 4)
+    try:
+        dev.upload(x, np.ones(rows * cols, np.float32))
+        prog = dev.program([Launch(k.finish(), {"x": x, "y": y})])
+        prog.run({})
+        return rows * cols * 4 / min(_timed(lambda: prog.run({})) for _ in range(runs))
+    finally:
+        dev.free(x)
+        dev.free(y)
+
+
+def device_bandwidth(dev):
+    """read_bandwidth, measured once per machine and device configuration."""
+    return _measured(("device-read", dev.backend, dev.describe()), lambda: read_bandwidth(dev))
 
 
 def link_bandwidth(dev):

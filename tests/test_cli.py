@@ -104,12 +104,13 @@ def test_chat_session_commands(monkeypatch, capsys, default_model):
 
 def test_bench_report_ratios_and_bandwidth_fraction(capsys):
     bench = pytest.importorskip("jitllm_core.bench")
-    results = [{"threads": 2, "bandwidth_Bps": 10e9, "bytes_per_token": 100e6,
+    results = [{"threads": 2, "bandwidth_Bps": 10e9, "bytes_per_token": {"jitllm": 100e6, "llama.cpp": 80e6},
                 "jitllm": {"prompt_tok_s": 300.0, "decode_tok_s": 80.0},
                 "llama.cpp": {"prompt_tok_s": 200.0, "decode_tok_s": 50.0}}]
-    bench.print_report(results, "m.gguf", 37, 64, 5, "the GGUF file's tensors", None)
+    bench.print_report(results, "m.gguf", 37, 64, 5, None)
     out = capsys.readouterr().out
     header, row = [line for line in out.splitlines() if re.match(r"\s*(threads|2)\s", line)]
     assert header.split()[:4] == ["threads", "prompt", "jitllm", "prompt"]
-    # % of bandwidth: 100 MB per token x 80 tok/s / 10 GB/s = 80% (llama.cpp: 50 tok/s -> 50%)
-    assert row.split() == ["2", "300.0", "200.0", "1.50x", "80.0", "50.0", "1.60x", "10.0", "80%", "50%"]
+    # % of bandwidth: 100 MB per token x 80 tok/s / 10 GB/s = 80% (llama.cpp: 80 MB x 50 tok/s -> 40%)
+    assert row.split() == ["2", "300.0", "200.0", "1.50x", "80.0", "50.0", "1.60x", "10.0", "80%", "40%"]
+    assert "jitllm 100.0 MB" in out and "llama.cpp 80.0 MB" in out

@@ -385,7 +385,8 @@ class KernelLowering:
                 for mine, theirs in zip(accs[0], a):
                     self.b.store(self.combine(e.op, self.b.load(mine), self.b.load(theirs), dt), mine)
             return self.finish_accumulators(e.op, dt, accs[0])
-        if e.kind == "vector" and self.vectorizable_expr(e.value):
+        if e.kind in ("vector", "reduce") and self.vectorizable_expr(e.value):
+            # a "reduce" (any order, a tree on GPUs) runs on one CPU thread: SIMD lanes are its tree
             accs = self.vector_accumulators(e.op, dt)
             self.vector_reduce_into(e, accs)
             return self.finish_accumulators(e.op, dt, accs)
