@@ -218,7 +218,8 @@ class Llama:
                 "k": ("f32", T * kv), "v": ("f32", T * kv), "att": ("f32", T * q), "g": ("f32", T * c.ffn),
                 "u": ("f32", T * c.ffn), "h": ("f32", T * c.ffn), "logits": ("f32", T * c.vocab),
                 "scores": ("f32", T * c.n_head * self.n_pages * self.page),
-                "wdq": ("f32", max(q * c.dim, kv * c.dim, c.ffn * c.dim))}  # one layer matrix, dequantized
+                "wdq": ("f32", max(q * c.dim, kv * c.dim, c.ffn * c.dim)),  # one layer matrix, dequantized
+                "xt": ("f32", T * max(c.dim, q, c.ffn))}  # a matmul's input, transposed for prefill
 
     def activation_bytes(self):
         """What every device that runs a unit holds besides the units: activations, constants, a margin."""
@@ -275,18 +276,21 @@ class Llama:
 
     def _mm(self, name, x, y, rows, cols, acc=False, bias=None, logits=False, prefill=False):
         """Matmul launches; only the LM head starts at the step's `t0`, layers need every token. For prefill,
-        the weights are first dequantized to f32 once and reused by every token of the step."""
+        the weights are first dequantized to f32 once and reused by every token of the step, and the input is
+        read transposed (`xt`, written by `_transposed`)."""
         fmt = self.fmt(name, (rows, cols))
-        bufs = {"w": f"w:{name}", "x": f"a:{x}", "y": f"a:{y}"}
-        if bias:
-            bufs["b"] = f"w:{bias}"
+        bufs = {"y": f"a:{y}", **({"b": f"w:{bias}"} if bias else {})}
         scalars = {} if logits else {"t0": "zero"}
         if not prefill:
             return [LaunchTemplate(ops.matmul(fmt, rows, cols, self.T, accumulate=acc, bias=bias is not None),
-                                   bufs, scalars)]
+                                   {"w": f"w:{name}", "x": f"a:{x}", **bufs}, scalars)]
         return [LaunchTemplate(dequant_kernel(fmt, rows, cols), {"w": f"w:{name}", "out": "a:wdq"}),
                 LaunchTemplate(ops.gemm(rows, cols, self.T, accumulate=acc, bias=bias is not None),
-                               {**bufs, "w": "a:wdq"}, scalars)]
+                               {"w": "a:wdq", "xt": "a:xt", **bufs}, scalars)]
+
+    def _transposed(self, x, cols, prefill):
+        """For prefill, the launch that writes activation x transposed into `xt`, where the matmuls read it."""
+        return [LaunchTemplate(ops.transpose(cols, self.T), {"x": f"a:{x}", "xt": "a:xt"})] if prefill else []
 
     def unit_launches(self, unit, prefill=False):
         """The unit's launches for a decode step, or (prefill=True) for a step of many tokens."""
@@ -303,8 +307,10 @@ class Llama:
         cache = dict(page=self.page, n_pages=self.n_pages, max_pages=self.n_pages, kv_dtype=self.kv_dtype)
         kvb = {"ptab": "kv:ptab", "kc": "kv:k", "vc": "kv:v"}
         mm = functools.partial(self._mm, prefill=prefill)
+        tr = functools.partial(self._transposed, prefill=prefill)
         return [
             LaunchTemplate(ops.rmsnorm(c.dim, T, c.eps), {"x": "a:x", "w": f"w:{p}attn_norm.weight", "out": "a:xn"}),
+            *tr("xn", c.dim),
             *mm(p + "attn_q.weight", "xn", "q", q, c.dim, bias=b("attn_q")),
             *mm(p + "attn_k.weight", "xn", "k", kv, c.dim, bias=b("attn_k")),
             *mm(p + "attn_v.weight", "xn", "v", kv, c.dim, bias=b("attn_v")),
@@ -312,11 +318,14 @@ class Llama:
             LaunchTemplate(ops.rope(c.n_kv, c.head_dim, T), {"q": "a:k", "freq": "c:rope_freqs"}),
             LaunchTemplate(ops.kv_store(c.n_kv, c.head_dim, T, **cache), {"k": "a:k", "v": "a:v", **kvb}),
             LaunchTemplate(ops.attention(c.n_head, c.n_kv, c.head_dim, T, **cache), {"q": "a:q", "s": "a:scores", "out": "a:att", **kvb}),
+            *tr("att", q),
             *mm(p + "attn_output.weight", "att", "x", c.dim, q, acc=True),
             LaunchTemplate(ops.rmsnorm(c.dim, T, c.eps), {"x": "a:x", "w": f"w:{p}ffn_norm.weight", "out": "a:xn"}),
+            *tr("xn", c.dim),
             *mm(p + "ffn_gate.weight", "xn", "g", c.ffn, c.dim),
             *mm(p + "ffn_up.weight", "xn", "u", c.ffn, c.dim),
             LaunchTemplate(ops.silu_mul(c.ffn, T), {"g": "a:g", "u": "a:u", "h": "a:h"}),
+            *tr("h", c.ffn),
             *mm(p + "ffn_down.weight", "h", "x", c.dim, c.ffn, acc=True),
         ]
 

@@ -63,34 +63,47 @@ def matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=Fal
     return k.finish()
 
 
-def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, tile=4) -> ir.Kernel:
-    """The prefill matmul, on f32 weights (a layer matrix dequantized once per step): y[t, r] (+)= W[r, :] . x[t, :]
-    (+ b[r]) for t in [t0, n_tokens). Each iteration computes a tile of `tile` rows x `tile` tokens whose dot
-    products run over the same columns and share their loads (the same W and x nodes), so that a backend can keep
-    the tile in registers and feed each loaded vector to `tile` multiply-adds."""
-    R = tile if rows % tile == 0 else 1
-    k = ir.Kernel(f"gemm_{rows}x{cols}_T{T}_{R}x{tile}{'_acc' if accumulate else ''}{'_bias' if bias else ''}")
-    k.buffer("w", "f32", rows * cols), k.buffer("x", "f32", T * cols)
+def transpose(cols: int, T: int) -> ir.Kernel:
+    """xt[c, t] = x[t, c] for the step's tokens: the layout gemm reads activations in."""
+    k = ir.Kernel(f"transpose_{cols}_T{T}")
+    k.buffer("x", "f32", T * cols), k.buffer("xt", "f32", cols * T, True)
+    n = k.scalar("n_tokens")
+    with k.parallel("c", cols) as c:
+        with k.loop("t", n, "vector") as t:
+            k.store("xt", c * T + t, k.load("x", t * cols + c))
+    return k.finish()
+
+
+def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False) -> ir.Kernel:
+    """The prefill matmul on f32 weights (a layer matrix dequantized once per step) and transposed activations
+    xt [cols, T]: y[t, r] (+)= sum_c W[r, c] xt[c, t] (+ b[r]) for t in [t0, n_tokens). Each iteration computes a
+    tile of R rows x `tokens` tokens as an outer product: per column, one vector of the tile's tokens and one W
+    value per row (broadcast), R multiply-adds per loaded vector, the tile held in registers. Tiles are aligned
+    to `tokens` columns of xt; lanes outside [t0, n_tokens) compute on whatever xt holds and store nothing."""
+    R = next(r for r in (8, 4, 2, 1) if rows % r == 0)  # 8 rows x 2 vectors of tokens: 16 accumulators
+    tokens = math.gcd(T, 32)
+    k = ir.Kernel(f"gemm_{rows}x{cols}_T{T}_{R}x{tokens}{'_acc' if accumulate else ''}{'_bias' if bias else ''}")
+    k.buffer("w", "f32", rows * cols), k.buffer("xt", "f32", cols * T)
     if bias:
         k.buffer("b", "f32", rows)
     k.buffer("y", "f32", T * rows, True)
     n, t0 = k.scalar("n_tokens"), k.scalar("t0")
-    groups = (n - t0 + (tile - 1)) // tile
+    g0 = t0 // tokens
+    groups = (n + (tokens - 1)) // tokens - g0
     with k.parallel("rt", rows // R * groups) as rt:
-        r0, tq = k.let("r0", rt // groups * R), k.let("tq", t0 + rt % groups * tile)
-        ts = [k.let(f"tok{j}", ir.vmin(tq + j, n - 1)) for j in range(tile)]  # a partial tile repeats its last token
-        c = ir.Var("c")
-        ws = [k.load("w", (r0 + i) * cols + c) for i in range(R)]
-        xs = [k.load("x", t * cols + c) for t in ts]
-        dots = [[k.let(f"d{i}_{j}", ir.Reduce("add", "c", ir.as_expr(cols), ws[i] * xs[j], "vector"))
-                 for j in range(tile)] for i in range(R)]
-        for j in range(tile):
-            with k.if_(tq + j < n):
+        r0, tq = k.let("r0", rt // groups * R), k.let("tq", (g0 + rt % groups) * tokens)
+        with k.loop("j", tokens, "vector") as j:
+            tok = tq + j
+            c = ir.Var("c")
+            xv = k.load("xt", c * T + tok)
+            dots = [k.let(f"d{i}", ir.Reduce("add", "c", ir.as_expr(cols), k.load("w", (r0 + i) * cols + c) * xv))
+                    for i in range(R)]
+            with k.if_(ir.Bin("land", tok >= t0, tok < n)):
                 for i in range(R):
-                    v = dots[i][j] + k.load("b", r0 + i) if bias else dots[i][j]
+                    v = dots[i] + k.load("b", r0 + i) if bias else dots[i]
                     if accumulate:
-                        v = k.load("y", ts[j] * rows + r0 + i) + v
-                    k.store("y", ts[j] * rows + r0 + i, v)
+                        v = k.load("y", tok * rows + r0 + i) + v
+                    k.store("y", tok * rows + r0 + i, v)
     return k.finish()
 
 

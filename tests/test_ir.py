@@ -85,9 +85,10 @@ def op_examples():
         "matmul_q4_1": (ops.matmul(quant.FORMATS["Q4_1"], 5, 64, T, accumulate=True, bias=True), {"n_tokens": 3, "t0": 1}),
         "matmul_q4_k": (ops.matmul(quant.FORMATS["Q4_K"], 3, 256, T), {"n_tokens": 2, "t0": 0}),
         "matmul_q6_k": (ops.matmul(quant.FORMATS["Q6_K"], 3, 256, T), {"n_tokens": 2, "t0": 0}),
-        # register tiles: a partial token tile, a column tail that fills no vector, rows that do not fill a tile
-        "gemm_tiled": (ops.gemm(8, 40, 7, accumulate=True, bias=True), {"n_tokens": 7, "t0": 1}),
+        # register tiles: partial token tiles at both ends, rows that do not fill a tile
+        "gemm_tiled": (ops.gemm(16, 40, 64, accumulate=True, bias=True), {"n_tokens": 37, "t0": 1}),
         "gemm_untiled_rows": (ops.gemm(5, 32, T), {"n_tokens": 3, "t0": 0}),
+        "transpose": (ops.transpose(24, 5), {"n_tokens": 4}),
         "rope": (ops.rope(3, 8, T), {"pos": 5, "n_tokens": 3}),
         "kv_store_f16": (ops.kv_store(2, 8, T, page, n_pages, n_pages, "f16"), {"pos": 5, "n_tokens": 3}),
         "attention_f32": (ops.attention(4, 2, 8, T, page, n_pages, n_pages, "f32"), {"pos": 5, "n_tokens": 3}),

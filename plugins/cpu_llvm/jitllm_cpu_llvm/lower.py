@@ -21,6 +21,7 @@ STORAGE = {"f32": F32, "f16": F16, "bf16": I16, "u8": I8, "i8": I8, "i32": I32}
 FM = ("contract",)  # lets LLVM fuse multiply-add; reductions are reassociated only by this lowering
 UNROLL_MAX = 64
 UNROLL_ACCS = 4  # vector accumulators of a long reduction
+JAM = 2  # vectors of lanes per iteration of a vector loop that holds reduces (register tiles)
 PREFETCH = 4096  # bytes ahead that contiguous loads of large read-only byte buffers prefetch: quantized weights
 PREFETCH_MIN = 256 << 10  # stream from DRAM; smaller buffers (and f32 tiles, reused from cache) are left alone
 
@@ -167,14 +168,8 @@ class KernelLowering:
     def block(self, body, bind):
         saved = dict(self.env)
         self.env.update(bind)
-        i = 0
-        while i < len(body):
-            run = self.sibling_reduces(body, i)
-            if len(run) > 1:
-                self.fused_reduces(run)
-            else:
-                self.stmt(body[i])
-            i += len(run)
+        for s in body:
+            self.stmt(s)
         self.env = saved
 
     def stmt(self, s):
@@ -413,14 +408,23 @@ class KernelLowering:
             return False
         return all(self.vectorizable_expr(c) for c in _children(e))
 
-    def vectorizable_body(self, body):
+    def vectorizable_body(self, body, guarded=False):
+        """Lets (of lane values, or of reduces over a uniform loop whose values are), stores, and ifs of stores."""
         for s in body:
-            if isinstance(s, ir.Let) and self.vectorizable_expr(s.value):
+            if isinstance(s, ir.Let) and not guarded and (self.vectorizable_expr(s.value) or self.lane_reduce(s.value)):
                 continue
             if isinstance(s, ir.Store) and self.vectorizable_expr(s.index) and self.vectorizable_expr(s.value):
                 continue
+            if isinstance(s, ir.If) and not guarded and not s.orelse and self.vectorizable_expr(s.cond) \
+                    and self.vectorizable_body(s.then, guarded=True):
+                continue
             return False
         return True
+
+    def lane_reduce(self, e):
+        """A reduce inside a vector loop over a constant extent (every lane runs the same loop): vectorized across
+        lanes."""
+        return isinstance(e, ir.Reduce) and isinstance(e.extent, ir.Const) and self.vectorizable_expr(e.value)
 
     def vec_type(self, dt):
         return L.VectorType(COMPUTE[dt], self.W)
@@ -505,29 +509,91 @@ class KernelLowering:
 
     def vector_loop(self, s, start, ext):
         main = self.split_extent(ext)
+        # a body with lane reduces runs JAM vectors of lanes per iteration, so that each value its loop loads
+        # for all lanes (a broadcast weight, say) feeds JAM vectors
+        jam = JAM if any(isinstance(st, ir.Let) and self.lane_reduce(st.value) for st in s.body) \
+            and isinstance(ext, L.Constant) and ext.constant % (JAM * self.W) == 0 else 1
+
+        def each(venvs, fn):
+            for venv in venvs:
+                self.memo = {}
+                fn(venv)
+            self.memo = {}
 
         def vbody(i):
-            base = self.b.add(start, i)
-            venv = {s.var: VVal("lin", base, 1)}
-            self.memo = {}
-            for st in s.body:
-                if isinstance(st, ir.Let):
-                    venv[st.name] = self.vexpr(st.value, venv)
+            venvs = [{s.var: VVal("lin", self.b.add(start, self.b.add(i, L.Constant(I32, u * self.W))), 1)}
+                     for u in range(jam)]
+            j = 0
+            while j < len(s.body):
+                st = s.body[j]
+                if isinstance(st, ir.Let) and self.lane_reduce(st.value):
+                    run = self.sibling_lane_reduces(s.body, j)
+                    for venv, vals in zip(venvs, self.lane_reduces([let.value for let in run], venvs)):
+                        venv.update((let.name, v) for let, v in zip(run, vals))
+                    j += len(run)
                     continue
-                self.memo = {}  # a store may change what a later load reads
-                idx, val = self.vexpr(st.index, venv), self.vexpr(st.value, venv)
-                dt = self.k.buffers[st.buf].dtype
-                if idx.kind == "lin" and idx.stride == 1:
-                    v = self.to_storage(dt, self.to_vec(val, st.value.dtype))
-                    self.b.store(v, self.b.gep(self.ptrs[st.buf], [idx.val], source_etype=STORAGE[dt]), align=1)
+                j += 1
+                if isinstance(st, ir.Let):
+                    each(venvs, lambda venv: venv.__setitem__(st.name, self.vexpr(st.value, venv)))
+                elif isinstance(st, ir.If):
+                    each(venvs, lambda venv: [self.vector_store(g, venv, self.to_vec(self.vexpr(st.cond, venv), "bool"))
+                                              for g in st.then])
                 else:
-                    iv, vv = self.to_vec(idx, "i32"), self.to_vec(val, st.value.dtype)
-                    for j in range(self.W):
-                        c = L.Constant(I32, j)
-                        self.store(st.buf, self.b.extract_element(iv, c), self.b.extract_element(vv, c))
-        self.loop(L.Constant(I32, 0), main, vbody, step=self.W)
+                    each(venvs, lambda venv: self.vector_store(st, venv))
+        self.loop(L.Constant(I32, 0), main, vbody, step=self.W * jam)
         if not (isinstance(ext, L.Constant) and ext.constant % self.W == 0):
             self.loop(self.b.add(start, main), self.b.add(start, ext), lambda i: self.block(s.body, {s.var: i}))
+
+    def vector_store(self, st, venv, mask=None):
+        """A store in a vector body; with a lane mask, only the lanes whose mask bit is set store."""
+        self.memo = {}  # a store may change what a later load reads
+        idx, val = self.vexpr(st.index, venv), self.vexpr(st.value, venv)
+        dt = self.k.buffers[st.buf].dtype
+        if mask is None and idx.kind == "lin" and idx.stride == 1:
+            v = self.to_storage(dt, self.to_vec(val, st.value.dtype))
+            self.b.store(v, self.b.gep(self.ptrs[st.buf], [idx.val], source_etype=STORAGE[dt]), align=1)
+            return
+        iv, vv = self.to_vec(idx, "i32"), self.to_vec(val, st.value.dtype)
+        for j in range(self.W):
+            c = L.Constant(I32, j)
+            put = lambda: self.store(st.buf, self.b.extract_element(iv, c), self.b.extract_element(vv, c))
+            if mask is None:
+                put()
+            else:
+                self.if_then(self.b.extract_element(mask, c), put)
+        self.memo = {}
+
+    def sibling_lane_reduces(self, body, i):
+        """body[i] (a Let of a lane reduce) and the Lets after it that reduce over the same loop, independently:
+        one loop computes them all (rows of a register tile sharing each loaded vector)."""
+        first, run, names = body[i].value, [body[i]], {body[i].name}
+        for s in body[i + 1:]:
+            e = s.value if isinstance(s, ir.Let) else None
+            if not (self.lane_reduce(e) and (e.var, e.op, e.extent.value) == (first.var, first.op, first.extent.value)) \
+                    or names & _var_names(e.value):
+                break
+            run.append(s)
+            names.add(s.name)
+        return run
+
+    def lane_reduces(self, reds, venvs):
+        """Reduces over one uniform loop, each lane accumulating its own value: a scalar loop with one vector
+        accumulator per reduce and vector of lanes (outer-loop vectorization). Returns, per venv, the values."""
+        first = reds[0]
+        dt = first.value.dtype
+        accs = [[self.vector_accumulators(first.op, dt)[0] for _ in reds] for _ in venvs]
+
+        def body(c):
+            self.env[first.var] = c
+            for venv, row in zip(venvs, accs):
+                self.memo = {}
+                for e, acc in zip(reds, row):
+                    for t in _terms(e.value) if e.op == "add" else [e.value]:
+                        self.b.store(self.combine(e.op, self.b.load(acc), self.to_vec(self.vexpr(t, venv), dt), dt), acc)
+            del self.env[first.var]
+            self.memo = {}
+        self.loop(L.Constant(I32, 0), self.expr(first.extent), body)
+        return [[VVal("v", self.b.load(acc)) for acc in row] for row in accs]
 
     def vector_accumulators(self, op, dt):
         vacc, sacc = self.alloca(self.vec_type(dt)), self.alloca(COMPUTE[dt])
@@ -564,43 +630,6 @@ class KernelLowering:
         main = self.split_extent(ext)
         self.loop(done, main, lambda i: chunk(vacc, i), step=W)
         self.scalar_tail(e, sacc, main, ext)
-
-    def sibling_reduces(self, body, i):
-        """body[i] and the Lets after it that are vector reduces over the same loop (variable, op and constant
-        extent), independent of each other: a register tile (ops.gemm) computed in one loop."""
-        def fits(s, first=None):
-            e = s.value if isinstance(s, ir.Let) else None
-            if not (isinstance(e, ir.Reduce) and e.kind == "vector" and isinstance(e.extent, ir.Const)
-                    and self.vectorizable_expr(e.value)):
-                return False
-            return first is None or (e.var, e.op, e.extent.value) == (first.var, first.op, first.extent.value)
-        if not fits(body[i]):
-            return [body[i]]
-        run, names = [body[i]], {body[i].name}
-        for s in body[i + 1:]:
-            if not fits(s, run[0].value) or names & _var_names(s.value.value):
-                break
-            run.append(s)
-            names.add(s.name)
-        return run
-
-    def fused_reduces(self, run):
-        first = run[0].value
-        op, dt, ext = first.op, first.value.dtype, self.expr(first.extent)
-        accs = [self.vector_accumulators(op, dt) for _ in run]
-
-        def chunk(i):
-            self.memo = {}  # shared by the tile: each loaded vector is loaded once
-            venv = {first.var: VVal("lin", i, 1)}
-            for s, (vacc, _) in zip(run, accs):
-                for t in _terms(s.value.value) if op == "add" else [s.value.value]:
-                    self.b.store(self.combine(op, self.b.load(vacc), self.to_vec(self.vexpr(t, venv), dt), dt), vacc)
-            self.memo = {}
-        main = self.split_extent(ext)
-        self.loop(L.Constant(I32, 0), main, chunk, step=self.W)
-        for s, a in zip(run, accs):
-            self.scalar_tail(s.value, a[1], main, ext)
-            self.env[s.name] = self.finish_accumulators(op, dt, a)
 
     def scalar_tail(self, e, sacc, start, ext):
         """The iterations [start, ext) of reduce e that do not fill a vector, into the scalar accumulator."""
