@@ -22,6 +22,7 @@ FM = ("contract",)  # lets LLVM fuse multiply-add; reductions are reassociated o
 UNROLL_MAX = 64
 UNROLL_ACCS = 4  # vector accumulators of a long reduction
 JAM = 2  # vectors of lanes per iteration of a vector loop that holds reduces (register tiles)
+LANE_BLOCK = 64  # iterations of a reduce across lanes summed before joining its total
 PREFETCH = 4096  # bytes ahead that contiguous loads of large read-only byte buffers prefetch: quantized weights
 PREFETCH_MIN = 256 << 10  # stream from DRAM; smaller buffers (and f32 tiles, reused from cache) are left alone
 
@@ -578,10 +579,13 @@ class KernelLowering:
 
     def lane_reduces(self, reds, venvs):
         """Reduces over one uniform loop, each lane accumulating its own value: a scalar loop with one vector
-        accumulator per reduce and vector of lanes (outer-loop vectorization). Returns, per venv, the values."""
+        accumulator per reduce and vector of lanes (outer-loop vectorization). Returns, per venv, the values.
+        Sums run in blocks of LANE_BLOCK iterations added into totals: a long serial sum would lose accuracy."""
         first = reds[0]
-        dt = first.value.dtype
+        dt, ext = first.value.dtype, first.extent.value
+        blk = LANE_BLOCK if first.op == "add" and ext % LANE_BLOCK == 0 else ext
         accs = [[self.vector_accumulators(first.op, dt)[0] for _ in reds] for _ in venvs]
+        totals = [[self.vector_accumulators(first.op, dt)[0] for _ in reds] for _ in venvs]
 
         def body(c):
             self.env[first.var] = c
@@ -592,8 +596,18 @@ class KernelLowering:
                         self.b.store(self.combine(e.op, self.b.load(acc), self.to_vec(self.vexpr(t, venv), dt), dt), acc)
             del self.env[first.var]
             self.memo = {}
-        self.loop(L.Constant(I32, 0), self.expr(first.extent), body)
-        return [[VVal("v", self.b.load(acc)) for acc in row] for row in accs]
+
+        def block(c0):
+            ident = L.Constant(self.vec_type(dt), [_identity(first.op, dt)] * self.W)
+            for row in accs:
+                for acc in row:
+                    self.b.store(ident, acc)
+            self.loop(c0, self.b.add(c0, L.Constant(I32, blk)), body)
+            for row, tot in zip(accs, totals):
+                for acc, t in zip(row, tot):
+                    self.b.store(self.combine(first.op, self.b.load(t), self.b.load(acc), dt), t)
+        self.loop(L.Constant(I32, 0), L.Constant(I32, ext), block, step=blk)
+        return [[VVal("v", self.b.load(t)) for t in row] for row in totals]
 
     def vector_accumulators(self, op, dt):
         vacc, sacc = self.alloca(self.vec_type(dt)), self.alloca(COMPUTE[dt])
