@@ -344,7 +344,7 @@ class Engine:
             raise JitllmError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab})")
         self._ensure_pages(seq, pos + n)
         self._upload_ptabs(seq)
-        values = {"pos": pos, "n_tokens": n, "t0": t0, "zero": 0}
+        values = {"pos": pos, "n_tokens": n, "t0": t0, **self.model.constants}
         first = self.dev_state[self.segments[0].device]
         first.dev.upload(first.acts["tok"], np.asarray(tokens, np.int32))
         streamed = [seg for seg in self.segments if seg.streamed is not None]

@@ -194,6 +194,18 @@ class LaunchTemplate:
     scalars: dict = field(default_factory=dict)
 
 
+PREFILL_CHUNK_BYTES = 2 << 20
+
+
+def _chunk_rows(rows, cols):
+    """Rows of a matrix that prefill dequantizes and multiplies at a time (0: all): about PREFILL_CHUNK_BYTES of
+    f32, so that the dequantized rows are still in cache when the matmul reads them."""
+    target = PREFILL_CHUNK_BYTES // (4 * cols)
+    if rows <= target:
+        return 0
+    return next((c for c in range(target - target % 8, 7, -8) if rows % c == 0), 0)
+
+
 class Llama:
     """Kernels and buffer bindings for every unit of one model at one step size."""
 
@@ -209,6 +221,7 @@ class Llama:
         self.units = ["embed"] + list(range(cfg.n_layer)) + ["head"]
         self.head_tensor = "output.weight" if "output.weight" in mf.tensors else "token_embd.weight"
         self._held = {}  # repacked weights of streamed units, which are read from host memory every step
+        self.constants = {"zero": 0}  # scalar values the launches name, the same at every step
 
     # -- sizes of the per-device activations
     def activations(self):
@@ -218,7 +231,9 @@ class Llama:
                 "k": ("f32", T * kv), "v": ("f32", T * kv), "att": ("f32", T * q), "g": ("f32", T * c.ffn),
                 "u": ("f32", T * c.ffn), "h": ("f32", T * c.ffn), "logits": ("f32", T * c.vocab),
                 "scores": ("f32", T * c.n_head * self.n_pages * self.page),
-                "wdq": ("f32", max(q * c.dim, kv * c.dim, c.ffn * c.dim)),  # one layer matrix, dequantized
+                # a chunk of one layer matrix, dequantized
+                "wdq": ("f32", max((_chunk_rows(r, k) or r) * k for r, k in ((q, c.dim), (c.dim, q), (kv, c.dim),
+                                                                             (c.ffn, c.dim), (c.dim, c.ffn)))),
                 "xt": ("f32", T * max(c.dim, q, c.ffn))}  # a matmul's input, transposed for prefill
 
     def activation_bytes(self):
@@ -284,9 +299,14 @@ class Llama:
         if not prefill:
             return [LaunchTemplate(ops.matmul(fmt, rows, cols, self.T, accumulate=acc, bias=bias is not None),
                                    {"w": f"w:{name}", "x": f"a:{x}", **bufs}, scalars)]
-        return [LaunchTemplate(dequant_kernel(fmt, rows, cols), {"w": f"w:{name}", "out": "a:wdq"}),
-                LaunchTemplate(ops.gemm(rows, cols, self.T, accumulate=acc, bias=bias is not None),
-                               {"w": "a:wdq", "xt": "a:xt", **bufs}, scalars)]
+        chunk, out = _chunk_rows(rows, cols), []
+        for r0 in range(0, rows, chunk or rows):
+            at = {"row0": f"row{r0}"} if chunk else {}
+            self.constants.update({f"row{r0}": r0} if chunk else {})
+            out += [LaunchTemplate(dequant_kernel(fmt, rows, cols, chunk), {"w": f"w:{name}", "out": "a:wdq"}, at),
+                    LaunchTemplate(ops.gemm(rows, cols, self.T, accumulate=acc, bias=bias is not None, chunk=chunk),
+                                   {"w": "a:wdq", "xt": "a:xt", **bufs}, {**scalars, **at})]
+        return out
 
     def _transposed(self, x, cols, prefill):
         """For prefill, the launch that writes activation x transposed into `xt`, where the matmuls read it."""

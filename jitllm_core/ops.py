@@ -74,23 +74,28 @@ def transpose(cols: int, T: int) -> ir.Kernel:
     return k.finish()
 
 
-def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False) -> ir.Kernel:
+def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, chunk=0) -> ir.Kernel:
     """The prefill matmul on f32 weights (a layer matrix dequantized once per step) and transposed activations
     xt [cols, T]: y[t, r] (+)= sum_c W[r, c] xt[c, t] (+ b[r]) for t in [t0, n_tokens). Each iteration computes a
     tile of R rows x `tokens` tokens as an outer product: per column, one vector of the tile's tokens and one W
     value per row (broadcast), R multiply-adds per loaded vector, the tile held in registers. Tiles are aligned
-    to `tokens` columns of xt; lanes outside [t0, n_tokens) compute on whatever xt holds and store nothing."""
-    R = next(r for r in (8, 4, 2, 1) if rows % r == 0)  # 8 rows x 2 vectors of tokens: 16 accumulators
+    to `tokens` columns of xt; lanes outside [t0, n_tokens) compute on whatever xt holds and store nothing.
+    With `chunk`, W holds rows [row0, row0 + chunk) of the matrix (row0 a scalar): the prefill dequantizes and
+    multiplies a matrix chunk by chunk, so that its f32 rows are read back from cache, not from memory."""
+    n_rows = chunk or rows
+    R = next(r for r in (8, 4, 2, 1) if n_rows % r == 0)  # 8 rows x 2 vectors of tokens: 16 accumulators
     tokens = math.gcd(T, 32)
-    k = ir.Kernel(f"gemm_{rows}x{cols}_T{T}_{R}x{tokens}{'_acc' if accumulate else ''}{'_bias' if bias else ''}")
-    k.buffer("w", "f32", rows * cols), k.buffer("xt", "f32", cols * T)
+    k = ir.Kernel(f"gemm_{rows}x{cols}_T{T}_{R}x{tokens}{f'_c{chunk}' if chunk else ''}"
+                  f"{'_acc' if accumulate else ''}{'_bias' if bias else ''}")
+    k.buffer("w", "f32", n_rows * cols), k.buffer("xt", "f32", cols * T)
     if bias:
         k.buffer("b", "f32", rows)
     k.buffer("y", "f32", T * rows, True)
     n, t0 = k.scalar("n_tokens"), k.scalar("t0")
+    row0 = k.scalar("row0") if chunk else 0
     g0 = t0 // tokens
     groups = (n + (tokens - 1)) // tokens - g0
-    with k.parallel("rt", rows // R * groups) as rt:
+    with k.parallel("rt", n_rows // R * groups) as rt:
         r0, tq = k.let("r0", rt // groups * R), k.let("tq", (g0 + rt % groups) * tokens)
         with k.loop("j", tokens, "vector") as j:
             tok = tq + j
@@ -100,10 +105,11 @@ def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False) -> ir.Kerne
                     for i in range(R)]
             with k.if_(ir.Bin("land", tok >= t0, tok < n)):
                 for i in range(R):
-                    v = dots[i] + k.load("b", r0 + i) if bias else dots[i]
+                    r = row0 + r0 + i
+                    v = dots[i] + k.load("b", r) if bias else dots[i]
                     if accumulate:
-                        v = k.load("y", tok * rows + r0 + i) + v
-                    k.store("y", tok * rows + r0 + i, v)
+                        v = k.load("y", tok * rows + r) + v
+                    k.store("y", tok * rows + r, v)
     return k.finish()
 
 

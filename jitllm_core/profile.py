@@ -29,7 +29,7 @@ def profile_decode(eng, prompt_tokens=32, repeats=5, step_tokens=1):
             history = list(range(1, prompt_tokens + 1))
             for i in range(0, prompt_tokens, eng.model.T):
                 eng._step(seq, history[i:i + eng.model.T], 0)
-            values = {"pos": seq.n, "n_tokens": step_tokens, "t0": step_tokens - 1, "zero": 0}
+            values = {"pos": seq.n, "n_tokens": step_tokens, "t0": step_tokens - 1, **eng.model.constants}
             rows = []
             for seg in eng.segments:
                 dev = eng.devices[seg.device]

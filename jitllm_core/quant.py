@@ -235,15 +235,18 @@ def get_format(type_name, cols, where=""):
     return fmt
 
 
-def dequant_kernel(fmt: Format, rows: int, cols: int) -> ir.Kernel:
-    """W -> f32 rows: the reference definition of a format's values, and the first half of a prefill matmul."""
-    k = ir.Kernel(f"dequant_{fmt.name}_{rows}x{cols}")
+def dequant_kernel(fmt: Format, rows: int, cols: int, chunk: int = 0) -> ir.Kernel:
+    """W -> f32 rows: the reference definition of a format's values, and the first half of a prefill matmul.
+    With `chunk`, only rows [row0, row0 + chunk) (row0 a scalar), into a chunk-sized out."""
+    n = chunk or rows
+    k = ir.Kernel(f"dequant_{fmt.name}_{rows}x{cols}" + (f"_c{chunk}" if chunk else ""))
     k.buffer("w", fmt.storage, rows * fmt.row_units(cols))
-    k.buffer("out", "f32", rows * cols, True)
+    k.buffer("out", "f32", n * cols, True)
     nb = cols // fmt.block
-    with k.parallel("rbg", rows * nb * fmt.groups) as rbg:
+    first = k.scalar("row0") * nb if chunk else 0
+    with k.parallel("rbg", n * nb * fmt.groups) as rbg:
         rb, g = (rbg, 0) if fmt.groups == 1 else (rbg // fmt.groups, rbg % fmt.groups)
         with k.loop("l", fmt.lanes, "vector") as l:
-            for j, w in fmt.terms(k, "w", rb * fmt.unit, g, l):
+            for j, w in fmt.terms(k, "w", (first + rb) * fmt.unit, g, l):
                 k.store("out", rb * fmt.block + j, w)
     return k.finish()

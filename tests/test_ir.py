@@ -89,6 +89,9 @@ def op_examples():
         "gemm_tiled": (ops.gemm(16, 40, 64, accumulate=True, bias=True), {"n_tokens": 37, "t0": 1}),
         "gemm_untiled_rows": (ops.gemm(5, 32, T), {"n_tokens": 3, "t0": 0}),
         "transpose": (ops.transpose(24, 5), {"n_tokens": 4}),
+        # prefill by chunks of rows: rows [row0, row0 + chunk) dequantized, then multiplied into y's rows
+        "gemm_chunk": (ops.gemm(32, 40, 64, accumulate=True, bias=True, chunk=16), {"n_tokens": 37, "t0": 1, "row0": 16}),
+        "dequant_chunk": (quant.dequant_kernel(quant.FORMATS["Q4_1"], 8, 64, chunk=4), {"row0": 4}),
         "rope": (ops.rope(3, 8, T), {"pos": 5, "n_tokens": 3}),
         "kv_store_f16": (ops.kv_store(2, 8, T, page, n_pages, n_pages, "f16"), {"pos": 5, "n_tokens": 3}),
         "attention_f32": (ops.attention(4, 2, 8, T, page, n_pages, n_pages, "f32"), {"pos": 5, "n_tokens": 3}),
