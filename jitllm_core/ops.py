@@ -63,20 +63,27 @@ def matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=Fal
     return k.finish()
 
 
+def gemm_tokens(T: int) -> int:
+    """Tokens per register tile of gemm, and per block of its transposed input."""
+    return math.gcd(T, 32)
+
+
 def transpose(cols: int, T: int) -> ir.Kernel:
-    """xt[c, t] = x[t, c] for the step's tokens: the layout gemm reads activations in."""
+    """x [T, cols] -> xt in blocks of G = gemm_tokens(T) tokens, [T / G, cols, G]: the layout gemm reads its
+    input in (a tile's tokens contiguous for every column)."""
+    G = gemm_tokens(T)
     k = ir.Kernel(f"transpose_{cols}_T{T}")
     k.buffer("x", "f32", T * cols), k.buffer("xt", "f32", cols * T, True)
     n = k.scalar("n_tokens")
     with k.parallel("c", cols) as c:
         with k.loop("t", n, "vector") as t:
-            k.store("xt", c * T + t, k.load("x", t * cols + c))
+            k.store("xt", (t // G * cols + c) * G + t % G, k.load("x", t * cols + c))
     return k.finish()
 
 
 def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, chunk=0) -> ir.Kernel:
-    """The prefill matmul on f32 weights (a layer matrix dequantized once per step) and transposed activations
-    xt [cols, T]: y[t, r] (+)= sum_c W[r, c] xt[c, t] (+ b[r]) for t in [t0, n_tokens). Each iteration computes a
+    """The prefill matmul on f32 weights (a layer matrix dequantized once per step) and activations transposed by
+    `transpose`: y[t, r] (+)= sum_c W[r, c] x[t, c] (+ b[r]) for t in [t0, n_tokens). Each iteration computes a
     tile of R rows x `tokens` tokens as an outer product: per column, one vector of the tile's tokens and one W
     value per row (broadcast), R multiply-adds per loaded vector, the tile held in registers. Tiles are aligned
     to `tokens` columns of xt; lanes outside [t0, n_tokens) compute on whatever xt holds and store nothing.
@@ -84,7 +91,7 @@ def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, chunk=0) ->
     multiplies a matrix chunk by chunk, so that its f32 rows are read back from cache, not from memory."""
     n_rows = chunk or rows
     R = next(r for r in (8, 4, 2, 1) if n_rows % r == 0)  # 8 rows x 2 vectors of tokens: 16 accumulators
-    tokens = math.gcd(T, 32)
+    tokens = gemm_tokens(T)
     k = ir.Kernel(f"gemm_{rows}x{cols}_T{T}_{R}x{tokens}{f'_c{chunk}' if chunk else ''}"
                   f"{'_acc' if accumulate else ''}{'_bias' if bias else ''}")
     k.buffer("w", "f32", n_rows * cols), k.buffer("xt", "f32", cols * T)
@@ -96,11 +103,12 @@ def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, chunk=0) ->
     g0 = t0 // tokens
     groups = (n + (tokens - 1)) // tokens - g0
     with k.parallel("rt", n_rows // R * groups) as rt:
-        r0, tq = k.let("r0", rt // groups * R), k.let("tq", (g0 + rt % groups) * tokens)
+        r0, g = k.let("r0", rt // groups * R), k.let("g", g0 + rt % groups)
+        tq = g * tokens
         with k.loop("j", tokens, "vector") as j:
             tok = tq + j
             c = ir.Var("c")
-            xv = k.load("xt", c * T + tok)
+            xv = k.load("xt", (g * cols + c) * tokens + j)
             dots = [k.let(f"d{i}", ir.Reduce("add", "c", ir.as_expr(cols), k.load("w", (r0 + i) * cols + c) * xv))
                     for i in range(R)]
             with k.if_(ir.Bin("land", tok >= t0, tok < n)):
