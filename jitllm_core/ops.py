@@ -1,10 +1,12 @@
 """The model's ops, as IR builders. Each returns a finished Kernel; dimensions are baked in, `pos` (position of
 the step's first token), `n_tokens` and `t0` (first token whose logits are wanted) are per-step scalars.
 
-Activations are f32, row-major [token, feature], sized for `T` tokens per step.
+Activations are f32, row-major [token, feature], sized for `T` tokens per step. Builders are cached: a kernel is
+immutable once finished, and a model asks for the same one many times.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 from . import ir
@@ -13,6 +15,7 @@ from .quant import Format
 F = ir.f32
 
 
+@functools.cache
 def embed(fmt: Format, vocab: int, dim: int, T: int) -> ir.Kernel:
     k = ir.Kernel(f"embed_{fmt.name}_{vocab}x{dim}_T{T}")
     k.buffer("tok", "i32", T), k.buffer("w", fmt.storage, vocab * fmt.row_units(dim))
@@ -29,6 +32,7 @@ def embed(fmt: Format, vocab: int, dim: int, T: int) -> ir.Kernel:
     return k.finish()
 
 
+@functools.cache
 def rmsnorm(dim: int, T: int, eps: float) -> ir.Kernel:
     k = ir.Kernel(f"rmsnorm_{dim}_T{T}_{eps:g}")
     k.buffer("x", "f32", T * dim), k.buffer("w", "f32", dim), k.buffer("out", "f32", T * dim, True)
@@ -43,6 +47,7 @@ def rmsnorm(dim: int, T: int, eps: float) -> ir.Kernel:
     return k.finish()
 
 
+@functools.cache
 def matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=False) -> ir.Kernel:
     """y[t, r] (+)= W[r, :] . x[t, :] (+ b[r]) for t in [t0, n_tokens); one quantized row per iteration, reused
     across the step's tokens while it is in cache."""
@@ -68,6 +73,7 @@ def gemm_tokens(T: int) -> int:
     return math.gcd(T, 32)
 
 
+@functools.cache
 def transpose(cols: int, T: int) -> ir.Kernel:
     """x [T, cols] -> xt in blocks of G = gemm_tokens(T) tokens, [T / G, cols, G]: the layout gemm reads its
     input in (a tile's tokens contiguous for every column)."""
@@ -81,6 +87,7 @@ def transpose(cols: int, T: int) -> ir.Kernel:
     return k.finish()
 
 
+@functools.cache
 def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, chunk=0) -> ir.Kernel:
     """The prefill matmul on f32 weights (a layer matrix dequantized once per step) and activations transposed by
     `transpose`: y[t, r] (+)= sum_c W[r, c] x[t, c] (+ b[r]) for t in [t0, n_tokens). Each iteration computes a
@@ -121,6 +128,7 @@ def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, chunk=0) ->
     return k.finish()
 
 
+@functools.cache
 def rope(n_heads: int, head_dim: int, T: int) -> ir.Kernel:
     """Rotate adjacent pairs (x[2i], x[2i+1]) by (pos + t) * freq[i] (GGUF llama layout)."""
     half = head_dim // 2
@@ -144,6 +152,7 @@ def _kv_index(k, j, kvh, n_kv, head_dim, page):
     return ((k.load("ptab", j // page) * page + j % page) * n_kv + kvh) * head_dim
 
 
+@functools.cache
 def kv_store(n_kv: int, head_dim: int, T: int, page: int, n_pages: int, max_pages: int, kv_dtype: str) -> ir.Kernel:
     k = ir.Kernel(f"kvstore_{n_kv}x{head_dim}_T{T}_p{page}x{n_pages}_{kv_dtype}")
     width = n_kv * head_dim
@@ -171,6 +180,7 @@ def exp(x):
     return p * ir.bf16bits((ir.i32(n) + 127) << 7)
 
 
+@functools.cache
 def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages: int, max_pages: int,
               kv_dtype: str) -> ir.Kernel:
     """Causal attention of each new token over the layer's paged KV cache: scores for every position into a
@@ -209,6 +219,7 @@ def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages:
     return k.finish()
 
 
+@functools.cache
 def silu_mul(dim: int, T: int) -> ir.Kernel:
     k = ir.Kernel(f"silu_mul_{dim}_T{T}")
     k.buffer("g", "f32", T * dim), k.buffer("u", "f32", T * dim), k.buffer("h", "f32", T * dim, True)

@@ -14,6 +14,7 @@ multiply-adds, and every backend reads them through the same `terms`.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -235,6 +236,7 @@ def get_format(type_name, cols, where=""):
     return fmt
 
 
+@functools.cache  # kernels are immutable once finished
 def dequant_kernel(fmt: Format, rows: int, cols: int, chunk: int = 0) -> ir.Kernel:
     """W -> f32 rows: the reference definition of a format's values, and the first half of a prefill matmul.
     With `chunk`, only rows [row0, row0 + chunk) (row0 a scalar), into a chunk-sized out."""
