@@ -85,12 +85,13 @@ def op_examples():
         "matmul_q4_1": (ops.matmul(quant.FORMATS["Q4_1"], 5, 64, T, accumulate=True, bias=True), {"n_tokens": 3, "t0": 1}),
         "matmul_q4_k": (ops.matmul(quant.FORMATS["Q4_K"], 3, 256, T), {"n_tokens": 2, "t0": 0}),
         "matmul_q6_k": (ops.matmul(quant.FORMATS["Q6_K"], 3, 256, T), {"n_tokens": 2, "t0": 0}),
-        # register tiles: partial token tiles at both ends, rows that do not fill a tile
-        "gemm_tiled": (ops.gemm(16, 40, 64, accumulate=True, bias=True), {"n_tokens": 37, "t0": 1}),
+        # register tiles: partial token tiles at both ends, rows that do not fill a tile (small enough for every
+        # backend configuration; test_cpu_gemm_long_rows covers long rows)
+        "gemm_tiled": (ops.gemm(8, 4, 64, accumulate=True, bias=True), {"n_tokens": 37, "t0": 1}),
         "gemm_untiled_rows": (ops.gemm(5, 32, T), {"n_tokens": 3, "t0": 0}),
         "transpose": (ops.transpose(24, 5), {"n_tokens": 4}),
         # prefill by chunks of rows: rows [row0, row0 + chunk) dequantized, then multiplied into y's rows
-        "gemm_chunk": (ops.gemm(32, 40, 64, accumulate=True, bias=True, chunk=16), {"n_tokens": 37, "t0": 1, "row0": 16}),
+        "gemm_chunk": (ops.gemm(8, 4, 64, accumulate=True, bias=True, chunk=4), {"n_tokens": 37, "t0": 1, "row0": 4}),
         "dequant_chunk": (quant.dequant_kernel(quant.FORMATS["Q4_1"], 8, 64, chunk=4), {"row0": 4}),
         "rope": (ops.rope(3, 8, T), {"pos": 5, "n_tokens": 3}),
         "kv_store_f16": (ops.kv_store(2, 8, T, page, n_pages, n_pages, "f16"), {"pos": 5, "n_tokens": 3}),
@@ -118,6 +119,12 @@ def op_inputs(k):
         if name in bufs and not k.buffers[name].write:
             bufs[name] = rng.standard_normal(bufs[name].size).astype(bufs[name].dtype)
     return bufs
+
+
+def test_cpu_gemm_long_rows(cpu):
+    """Rows long enough for the lowering's blocked sums across lanes (blocks of 64 columns), by chunks."""
+    k = ops.gemm(32, 192, 64, accumulate=True, chunk=16)
+    assert_matches_interpreter(cpu, k, op_inputs(k), {"n_tokens": 64, "t0": 0, "row0": 16}, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("op", sorted(op_examples()))
