@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from . import ir, ops
+from .cache import cache_dir, digest, write_atomic
 from .errors import ModelFileError
 from .quant import dequant_kernel, get_format, packed_format, repack
 
@@ -220,7 +222,7 @@ class Llama:
                                           f"head size {cfg.head_dim})")
         self.units = ["embed"] + list(range(cfg.n_layer)) + ["head"]
         self.head_tensor = "output.weight" if "output.weight" in mf.tensors else "token_embd.weight"
-        self._held = {}  # repacked weights of streamed units, which are read from host memory every step
+        self._held = {}  # packed weights of streamed units (memory-mapped), read from host memory every step
         self.constants = {"zero": 0}  # scalar values the launches name, the same at every step
 
     # -- sizes of the per-device activations
@@ -260,17 +262,23 @@ class Llama:
 
     def host_data(self, name, unit, keep=False):
         """A weight's bytes as a device holds it: f32 for norms and biases; quantized tensors in their packed
-        layout (quant.repack; a view of the mapped file where there is none). keep: hold the result for later
-        calls (a streamed unit's weights are copied from host memory every step)."""
+        layout (quant.repack, one tensor at a time; a view of the mapped file where there is none). keep: the
+        result is read again later (a streamed unit's weights are copied from host memory every step), so it
+        is a memory-mapped file in the cache rather than a copy in memory."""
         shape, as_f32 = self.weight_shapes(unit)[name]
         if as_f32:
             return self.mf.f32(name, shape)
         if name in self._held:
             return self._held[name]
-        data = repack(self._file_format(name, shape), self.mf.tensor(name, shape).raw())
-        if keep:
-            self._held[name] = data
-        return data
+        fmt, raw = self._file_format(name, shape), self.mf.tensor(name, shape).raw()
+        if not keep or packed_format(fmt) is fmt:
+            return repack(fmt, raw)
+        st = os.stat(self.mf.path)
+        path = cache_dir("packed") / f"{digest(os.path.abspath(self.mf.path), st.st_size, st.st_mtime_ns, name)}.bin"
+        if not path.exists():
+            write_atomic(path, repack(fmt, raw).tobytes())
+        self._held[name] = np.memmap(path, np.uint8, mode="r")
+        return self._held[name]
 
     def tensor_bytes(self, name, unit):
         """Bytes of a weight as a device holds it (norms and biases become f32)."""

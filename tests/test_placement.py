@@ -1,4 +1,5 @@
 """Residencies and the planner on real devices: same tokens as all-resident, counters equal the arithmetic."""
+import numpy as np
 import pytest
 
 import jitllm_core as jl
@@ -38,6 +39,9 @@ def test_streamed_and_host_compute_match_all_resident(default_model, reference):
     act = [eng.config.dim * 4 * n for n in [len(ids)] + [1] * (steps - 1)]
     assert eng.stats["bytes_crossed"]["cpu:1->cpu:0"] == sum(act)
     assert eng.stats["crossings"] == steps * (12 + 1)
+    # streamed weights are held in their packed layout as memory-mapped cache files, not as copies in memory
+    held = eng.model.host_data("blk.8.ffn_up.weight", 8, keep=True)
+    assert isinstance(held, np.memmap) and held.size == eng.model.tensor_bytes("blk.8.ffn_up.weight", 8)
     eng.close()
 
 
