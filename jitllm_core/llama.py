@@ -273,8 +273,9 @@ class Llama:
         fmt, raw = self._file_format(name, shape), self.mf.tensor(name, shape).raw()
         if not keep or packed_format(fmt) is fmt:
             return repack(fmt, raw)
-        st = os.stat(self.mf.path)
-        path = cache_dir("packed") / f"{digest(os.path.abspath(self.mf.path), st.st_size, st.st_mtime_ns, name)}.bin"
+        st, packed = os.stat(self.mf.path), packed_format(fmt)
+        key = digest(os.path.abspath(self.mf.path), st.st_size, st.st_mtime_ns, name, packed.name, packed.unit)
+        path = cache_dir("packed") / f"{key}.bin"
         if not path.exists():
             write_atomic(path, repack(fmt, raw).tobytes())
         self._held[name] = np.memmap(path, np.uint8, mode="r")

@@ -5,8 +5,11 @@ loop is split into one contiguous chunk per thread; other top-level effects run 
 Barrier calls the native barrier. `vector` loops and reduces become SIMD code with W lanes when their bodies
 allow it (affine indices become contiguous vector loads/stores, others gathers/scatters); a reduce whose value
 is a vector reduce of the same op keeps one vector accumulator across both loops (a quantized dot product then
-does one horizontal sum per row, not per block). A program module adds `step(ptr bufs, ptr scalars, tid, nth,
-barrier)` that calls every launch's kernel in order with a barrier after each.
+does one horizontal sum per row, not per block), each summand accumulating with its own multiply-add. Inside a
+vector loop, reduces over a uniform loop run across the lanes (outer-loop vectorization), sibling ones in one
+loop sharing what they load, two vectors of lanes per iteration; stores under a lane-varying `if` are masked.
+A program module adds `step(ptr bufs, ptr scalars, tid, nth, barrier)` that calls every launch's kernel in
+order with a barrier after each.
 """
 from __future__ import annotations
 
@@ -535,8 +538,11 @@ class KernelLowering:
                 if isinstance(st, ir.Let):
                     each(venvs, lambda venv: venv.__setitem__(st.name, self.vexpr(st.value, venv)))
                 elif isinstance(st, ir.If):
-                    each(venvs, lambda venv: [self.vector_store(g, venv, self.to_vec(self.vexpr(st.cond, venv), "bool"))
-                                              for g in st.then])
+                    def guarded(venv, st=st):
+                        mask = self.to_vec(self.vexpr(st.cond, venv), "bool")
+                        for g in st.then:
+                            self.vector_store(g, venv, mask)
+                    each(venvs, guarded)
                 else:
                     each(venvs, lambda venv: self.vector_store(st, venv))
         self.loop(L.Constant(I32, 0), main, vbody, step=self.W * jam)
