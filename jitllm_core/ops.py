@@ -97,7 +97,7 @@ def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, chunk=0) ->
     With `chunk`, W holds rows [row0, row0 + chunk) of the matrix (row0 a scalar): the prefill dequantizes and
     multiplies a matrix chunk by chunk, so that its f32 rows are read back from cache, not from memory."""
     n_rows = chunk or rows
-    R = next(r for r in (8, 4, 2, 1) if n_rows % r == 0)  # 8 rows x 2 vectors of tokens: 16 accumulators
+    R = next(r for r in (8, 4, 2, 1) if n_rows % r == 0)  # 8 x 32: 16 accumulators where vectors have 16 lanes
     tokens = gemm_tokens(T)
     k = ir.Kernel(f"gemm_{rows}x{cols}_T{T}_{R}x{tokens}{f'_c{chunk}' if chunk else ''}"
                   f"{'_acc' if accumulate else ''}{'_bias' if bias else ''}")
