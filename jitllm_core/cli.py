@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="cap a device's memory, e.g. vulkan:0=60MB (repeatable); the planner fits under it")
     engine.add_argument("--n-device-layers", type=int, metavar="N",
                         help="llama.cpp's knob: N units on the best accelerator, the rest computed on the host")
-    engine.add_argument("--max-context", type=int, metavar="N", help="KV cache positions (default: the model's)")
+    engine.add_argument("--max-context", type=int, metavar="N", help="KV cache positions (default: the model's, at most 8192)")
     threads = argparse.ArgumentParser(add_help=False)
     threads.add_argument("--threads", type=int, metavar="N", help="CPU threads (default: all cores)")
     sampling = argparse.ArgumentParser(add_help=False)

@@ -234,8 +234,8 @@ class Llama:
                 "u": ("f32", T * c.ffn), "h": ("f32", T * c.ffn), "logits": ("f32", T * c.vocab),
                 "scores": ("f32", T * c.n_head * self.n_pages * self.page),
                 # a chunk of one layer matrix, dequantized
-                "wdq": ("f32", max((_chunk_rows(r, k) or r) * k for r, k in ((q, c.dim), (c.dim, q), (kv, c.dim),
-                                                                             (c.ffn, c.dim), (c.dim, c.ffn)))),
+                "wdq": ("f32", max((_chunk_rows(*shape) or shape[0]) * shape[1]
+                                   for shape, as_f32 in self.weight_shapes(0).values() if not as_f32)),
                 "xt": ("f32", T * max(c.dim, q, c.ffn))}  # a matmul's input, transposed for prefill
 
     def activation_bytes(self):

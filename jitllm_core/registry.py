@@ -94,8 +94,9 @@ def lookup(name, names):
 
 def device(name):
     devs = all_devices()
-    if lookup(name, devs) is not None:
-        return devs[lookup(name, devs)]
+    found = lookup(name, devs)
+    if found is not None:
+        return devs[found]
     if not devs:
         raise JitllmError("no backend is installed or none found a device; install one, e.g. "
                           "`pip install jitllm-cpu-llvm` (from the repository: `pip install ./plugins/cpu_llvm`); "
