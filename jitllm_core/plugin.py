@@ -69,6 +69,16 @@ class Launch:
     def scalar_name(self, param):
         return self.scalars.get(param, param)
 
+    def buffer(self, param, device):
+        """The Buffer bound to kernel parameter `param`, checked to be on `device` and large enough."""
+        p, buf = self.kernel.buffers[param], self.buffers.get(param)
+        need = p.size * ir.STORAGE_DTYPES[p.dtype]
+        if buf is None or buf.device is not device or buf.nbytes < need:
+            got = "nothing" if buf is None else f"{buf.nbytes} bytes on {buf.device.name}"
+            raise BackendError(f"kernel {self.kernel.name}: buffer {param!r} needs {need} bytes on {device.name}, "
+                               f"bound to {got}")
+        return buf
+
 
 class Program:
     """Compiled launches for one device. ``run(values)`` executes them all in order; values maps scalar

@@ -16,7 +16,6 @@ import numpy as np
 
 from jitllm_core.cache import cache_dir, digest, write_atomic
 from jitllm_core.errors import BackendError
-from jitllm_core.ir import STORAGE_DTYPES
 from jitllm_core.plugin import Buffer, Caps, Device, Program
 
 from . import lower
@@ -118,13 +117,9 @@ class CpuProgram(Program):
         self.device = device
         bslot, sslot, slots = {}, {}, []
         for ln in launches:
-            bs = [bslot.setdefault(id(ln.buffers[p]), (len(bslot), ln.buffers[p]))[0] for p in ln.kernel.buffers]
+            bufs = [ln.buffer(p, device) for p in ln.kernel.buffers]
+            bs = [bslot.setdefault(id(b), (len(bslot), b))[0] for b in bufs]
             ss = [sslot.setdefault(ln.scalar_name(s), len(sslot)) for s in ln.kernel.scalars]
-            for p, prm in ln.kernel.buffers.items():
-                need = prm.size * STORAGE_DTYPES[prm.dtype]
-                if ln.buffers[p].nbytes < need:
-                    raise BackendError(f"kernel {ln.kernel.name}: buffer for {p} has {ln.buffers[p].nbytes} bytes, "
-                                       f"needs {need}")
             slots.append([ln.kernel.key(), bs, ss, False])
         for i in barriers_needed(launches):
             slots[i][3] = True

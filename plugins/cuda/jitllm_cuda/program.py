@@ -12,7 +12,6 @@ import numpy as np
 from cuda.bindings import driver as cu
 
 from jitllm_core.errors import BackendError
-from jitllm_core.ir import STORAGE_DTYPES
 from jitllm_core.plugin import Program
 
 from .device import call, pinned
@@ -25,7 +24,7 @@ class CudaProgram(Program):
         slots, calls = [], []     # slots: the per-step value name behind each entry of the scalar array
         for launch in launches:
             low, fns = dev.functions(launch.kernel)
-            ptrs = [self._bind(launch, p) for p in launch.kernel.buffers.values()]
+            ptrs = [launch.buffer(p, self.dev).ptr for p in launch.kernel.buffers]
             calls += [(fns[d.name], d.blocks, ptrs, len(slots)) for d in low.dispatches]
             slots += [launch.scalar_name(s) for s in low.scalars]
         self.names = sorted(set(slots))
@@ -35,17 +34,6 @@ class CudaProgram(Program):
         self.scalars_host = host.view(np.int32)
         if calls:
             self.graph = self._capture(calls, 4 * len(slots))
-
-    def _bind(self, launch, p):
-        buf = launch.buffers.get(p.name)
-        if buf is None or buf.device is not self.dev:
-            raise BackendError(f"{self.dev.name}: kernel {launch.kernel.name}: parameter {p.name!r} needs a buffer "
-                               f"on {self.dev.name}")
-        need = p.size * STORAGE_DTYPES[p.dtype]
-        if buf.nbytes < need:
-            raise BackendError(f"{self.dev.name}: kernel {launch.kernel.name}: buffer for {p.name!r} holds "
-                               f"{buf.nbytes} bytes, needs {need}")
-        return buf.ptr
 
     def _capture(self, calls, scalar_bytes):
         dev = self.dev

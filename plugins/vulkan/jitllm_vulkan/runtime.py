@@ -439,13 +439,10 @@ class VulkanProgram(Program):
         writes = [vk.VkWriteDescriptorSet(dstSet=dset, dstBinding=0, descriptorCount=1,
                                           descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, pBufferInfo=[ctl])]
         for i, b in enumerate(low.bindings):
-            p = ln.kernel.buffers[b.param]
-            buf = ln.buffers.get(b.param)
+            p, buf = ln.kernel.buffers[b.param], ln.buffer(b.param, self.device)
+            if buf.handle is None:
+                raise BackendError(f"{ln.kernel.name}: buffer {b.param!r} was freed")
             need = p.size * STORAGE_DTYPES[p.dtype]
-            if buf is None or buf.device is not self.device or buf.handle is None or buf.nbytes < need:
-                got = "nothing" if buf is None else f"{buf.nbytes} bytes on {buf.device.name}"
-                raise BackendError(f"{ln.kernel.name}: buffer {b.param!r} needs {need} bytes on "
-                                   f"{self.device.name}, bound to {got}")
             words = -(-need // 4) * 4
             infos = [vk.VkDescriptorBufferInfo(buffer=buf.handle, offset=c * b.chunk_bytes,
                                                range=max(4, min(b.chunk_bytes, words - c * b.chunk_bytes)))

@@ -1,9 +1,7 @@
 """Transfer paths between a Vulkan device and the CPU, and between two Vulkan devices."""
 from __future__ import annotations
 
-import numpy as np
-
-from jitllm_core.plugin import TransferPath
+from jitllm_core.plugin import HostStaged, TransferPath
 
 from .runtime import STAGING_BYTES
 
@@ -13,8 +11,8 @@ def _vulkan(d) -> bool:
 
 
 def _copy(src, src_off, dst, dst_off, nbytes):
-    """Bytes move through a host view (a mapping, or a CPU buffer) when one side has it; otherwise in
-    staging-sized chunks through host memory. VulkanDevice.read/write map or stage as the buffer allows."""
+    """Bytes move through a host view (a mapping, or a CPU buffer) when one side has it; otherwise in chunks
+    through host memory (the core's HostStaged copy). VulkanDevice.read/write map or stage as the buffer allows."""
     if _vulkan(src.device) and not _vulkan(dst.device) and dst.host_view() is not None:
         src.device.read(src, src_off, dst.host_view()[dst_off:dst_off + nbytes])
         return
@@ -22,13 +20,7 @@ def _copy(src, src_off, dst, dst_off, nbytes):
     if view is not None and _vulkan(dst.device):
         dst.device.write(dst, dst_off, view[src_off:src_off + nbytes])
         return
-    for o in range(0, nbytes, STAGING_BYTES):
-        n = min(STAGING_BYTES, nbytes - o)
-        chunk = src.device.download(src, n, src_off + o)
-        if _vulkan(dst.device):
-            dst.device.write(dst, dst_off + o, np.asarray(chunk, np.uint8))
-        else:
-            dst.device.upload(dst, chunk, dst_off + o)
+    HostStaged().copy(src, src_off, dst, dst_off, nbytes)
 
 
 class VulkanMapped(TransferPath):
