@@ -10,8 +10,17 @@ sys.path.insert(0, str(Path(__file__).parent))  # ir_cases, backend_check
 os.environ.setdefault("JITLLM_CPU_DEVICES", "2")
 
 
+def missing(backend, why, module=False):
+    """Skip a test that needs `backend` -- or fail it, when JITLLM_REQUIRE_BACKENDS names that backend (as
+    scripts/test.sh does for the backends its set-up installs), so that a broken install cannot pass as skips."""
+    required = [b for b in os.environ.get("JITLLM_REQUIRE_BACKENDS", "").split(",") if b]
+    if backend in required:
+        pytest.fail(why)
+    pytest.skip(why, allow_module_level=module)
+
+
 def backend_device(name):
-    """The named device, or skip with the backend's own reason for having none."""
+    """The named device, or skip (see `missing`) with the backend's own reason for having none."""
     from jitllm_core import registry
     try:
         return registry.device(name)
@@ -19,7 +28,7 @@ def backend_device(name):
         pass
     backend = name.split(":")[0]
     why = [s["reason"] for s in registry.backend_status() if s["name"] == backend]
-    pytest.skip(f"no {name}: {why[0] if why else 'backend plugin not installed'}")
+    missing(backend, f"no {name}: {why[0] if why else 'backend plugin not installed'}")
 
 
 @pytest.fixture(scope="session")

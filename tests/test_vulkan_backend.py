@@ -15,12 +15,16 @@ import numpy as np
 import pytest
 
 from backend_check import assert_matches_interpreter, run_on_device
+from conftest import missing
 from ir_cases import CASES, inputs_for
 from jitllm_core import interp, ir
 from jitllm_core.errors import BackendError
 from jitllm_core.plugin import BackendUnavailable, Buffer, Caps, Device, Launch
 
-jv = pytest.importorskip("jitllm_vulkan", reason="the jitllm-vulkan plugin is not installed")
+try:
+    import jitllm_vulkan as jv
+except ImportError:
+    missing("vulkan", "the jitllm-vulkan plugin is not installed", module=True)
 from jitllm_vulkan.glsl import LoweringError, Target, lower  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +38,7 @@ def dev():
     try:
         return jv.VulkanBackend().probe()[0]
     except BackendUnavailable as e:
-        pytest.skip(f"no Vulkan device: {e}")
+        missing("vulkan", f"no Vulkan device: {e}")
 
 
 def _kernel(name, build):
