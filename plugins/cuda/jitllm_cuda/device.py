@@ -59,7 +59,7 @@ class CudaDevice(Device):
     backend = "cuda"
 
     def __init__(self, ordinal: int):
-        self.ordinal, self.name = ordinal, f"cuda:{ordinal}"
+        self.name = f"cuda:{ordinal}"
         self.dev = call(cu.cuDeviceGet, ordinal)
         self.gpu = call(cu.cuDeviceGetName, 256, self.dev).split(b"\0")[0].decode()
         major, minor = self.attr("COMPUTE_CAPABILITY_MAJOR"), self.attr("COMPUTE_CAPABILITY_MINOR")

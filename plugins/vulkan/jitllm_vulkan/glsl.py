@@ -49,8 +49,7 @@ class Target:
 
 @dataclass
 class Dispatch:
-    source: str
-    lanes: int                     # local_size_x
+    source: str                    # its local_size_x is baked in
     grid: list                     # [(extent Expr, iterations per workgroup)]; empty: one workgroup
 
     def groups(self, env: dict, cap: int) -> int:
@@ -594,7 +593,7 @@ def lower(k: ir.Kernel, t: Target) -> Lowered:
         lanes = _lanes(seg, t)
         title = f"kernel {k.name}: dispatch {i + 1} of {len(segs)}"
         grid = [(ext, per or lanes) for ext, per in sg.grid]
-        dispatches.append(Dispatch(sg.source(lanes, sg.lines, title), lanes, grid))
+        dispatches.append(Dispatch(sg.source(lanes, sg.lines, title), grid))
     bindings = [Binding(name, b.chunks, b.chunk_bytes) for name, b in lw.bufs.items()]
     lets = [(s.name, s.value) for s in k.body if isinstance(s, ir.Let)]
     names = {n.name for d in dispatches for ext, _ in d.grid for n in _walk_exprs(ext) if isinstance(n, ir.Var)}
