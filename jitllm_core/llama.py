@@ -17,7 +17,7 @@ import numpy as np
 from . import ir, ops
 from .cache import cache_dir, digest, write_atomic
 from .errors import ModelFileError
-from .quant import dequant_kernel, get_format, packed_format, repack
+from .quant import ROWS, Interleaved, dequant_kernel, get_format, packed_format, repack
 
 
 @dataclass
@@ -205,7 +205,7 @@ def _chunk_rows(rows, cols):
     target = PREFILL_CHUNK_BYTES // (4 * cols)
     if rows <= target:
         return 0
-    return next((c for c in range(target - target % 8, 7, -8) if rows % c == 0), 0)
+    return next((c for c in range(target - target % ROWS, ROWS - 1, -ROWS) if rows % c == 0), 0)
 
 
 class Llama:
@@ -236,7 +236,8 @@ class Llama:
                 # a chunk of one layer matrix, dequantized
                 "wdq": ("f32", max((_chunk_rows(*shape) or shape[0]) * shape[1]
                                    for shape, as_f32 in self.weight_shapes(0).values() if not as_f32)),
-                "xt": ("f32", T * max(c.dim, q, c.ffn))}  # a matmul's input, transposed for prefill
+                "xt": ("f32", T * max(c.dim, q, c.ffn)),  # a matmul's input, transposed for prefill
+                "xs": ("f32", T * max(c.dim, q, c.ffn) // 32)}  # a matmul's input's block sums
 
     def activation_bytes(self):
         """What every device that runs a unit holds besides the units: activations, constants, a margin."""
@@ -271,13 +272,13 @@ class Llama:
         if name in self._held:
             return self._held[name]
         fmt, raw = self._file_format(name, shape), self.mf.tensor(name, shape).raw()
-        if not keep or packed_format(fmt) is fmt:
-            return repack(fmt, raw)
-        st, packed = os.stat(self.mf.path), packed_format(fmt)
+        if not keep or packed_format(fmt, shape[0]) is fmt:
+            return repack(fmt, raw, shape[0])
+        st, packed = os.stat(self.mf.path), packed_format(fmt, shape[0])
         key = digest(os.path.abspath(self.mf.path), st.st_size, st.st_mtime_ns, name, packed.name, packed.unit)
         path = cache_dir("packed") / f"{key}.bin"
         if not path.exists():
-            write_atomic(path, repack(fmt, raw).tobytes())
+            write_atomic(path, repack(fmt, raw, shape[0]).tobytes())
         self._held[name] = np.memmap(path, np.uint8, mode="r")
         return self._held[name]
 
@@ -296,7 +297,7 @@ class Llama:
 
     def fmt(self, name, shape):
         """The layout kernels read the tensor in: its file format's packed form."""
-        return packed_format(self._file_format(name, shape))
+        return packed_format(self._file_format(name, shape), shape[0])
 
     def _mm(self, name, x, y, rows, cols, acc=False, bias=None, logits=False, prefill=False):
         """Matmul launches; only the LM head starts at the step's `t0`, layers need every token. For prefill,
@@ -306,16 +307,28 @@ class Llama:
         bufs = {"y": f"a:{y}", **({"b": f"w:{bias}"} if bias else {})}
         scalars = {} if logits else {"t0": "zero"}
         if not prefill:
+            sums = {"xs": "a:xs"} if isinstance(fmt, Interleaved) and fmt.sums else {}
             return [LaunchTemplate(ops.matmul(fmt, rows, cols, self.T, accumulate=acc, bias=bias is not None),
-                                   {"w": f"w:{name}", "x": f"a:{x}", **bufs}, scalars)]
+                                   {"w": f"w:{name}", "x": f"a:{x}", **bufs, **sums}, scalars)]
         chunk, out = _chunk_rows(rows, cols), []
         for r0 in range(0, rows, chunk or rows):
             at = {"row0": f"row{r0}"} if chunk else {}
             self.constants.update({f"row{r0}": r0} if chunk else {})
             out += [LaunchTemplate(dequant_kernel(fmt, rows, cols, chunk), {"w": f"w:{name}", "out": "a:wdq"}, at),
-                    LaunchTemplate(ops.gemm(rows, cols, self.T, accumulate=acc, bias=bias is not None, chunk=chunk),
+                    LaunchTemplate(ops.gemm(rows, cols, self.T, accumulate=acc, bias=bias is not None, chunk=chunk,
+                                            il=ROWS if isinstance(fmt, Interleaved) else 1),
                                    {"w": "a:wdq", "xt": "a:xt", **bufs}, {**scalars, **at})]
         return out
+
+    def _sums(self, x, cols, unit, names, prefill=False):
+        """For decode, the launch that writes activation x's block sums into `xs`, when a matmul of weights
+        `names` (of `unit`) reads them."""
+        shapes = self.weight_shapes(unit)
+        fmts = [self.fmt(n, shapes[n][0]) for n in names]
+        if prefill or not any(isinstance(f, Interleaved) and f.sums for f in fmts):
+            return []
+        span, = {f.sums for f in fmts if isinstance(f, Interleaved) and f.sums}
+        return [LaunchTemplate(ops.block_sums(cols, self.T, span), {"x": f"a:{x}", "xs": "a:xs"})]
 
     def _transposed(self, x, cols, prefill):
         """For prefill, the launch that writes activation x transposed into `xt`, where the matmuls read it."""
@@ -330,6 +343,7 @@ class Llama:
                                    {"tok": "a:tok", "w": "w:token_embd.weight", "x": "a:x"})]
         if unit == "head":
             return [LaunchTemplate(ops.rmsnorm(c.dim, T, c.eps), {"x": "a:x", "w": "w:output_norm.weight", "out": "a:xn"}),
+                    *self._sums("xn", c.dim, unit, [self.head_tensor]),
                     *self._mm(self.head_tensor, "xn", "logits", c.vocab, c.dim, logits=True)]
         p, q, kv = f"blk.{unit}.", c.n_head * c.head_dim, c.n_kv * c.head_dim
         b = (lambda n: p + n + ".bias") if c.bias else (lambda n: None)
@@ -337,9 +351,10 @@ class Llama:
         kvb = {"ptab": "kv:ptab", "kc": "kv:k", "vc": "kv:v"}
         mm = functools.partial(self._mm, prefill=prefill)
         tr = functools.partial(self._transposed, prefill=prefill)
+        sm = lambda x, cols, *names: self._sums(x, cols, unit, [p + n + ".weight" for n in names], prefill)
         return [
             LaunchTemplate(ops.rmsnorm(c.dim, T, c.eps), {"x": "a:x", "w": f"w:{p}attn_norm.weight", "out": "a:xn"}),
-            *tr("xn", c.dim),
+            *tr("xn", c.dim), *sm("xn", c.dim, "attn_q", "attn_k", "attn_v"),
             *mm(p + "attn_q.weight", "xn", "q", q, c.dim, bias=b("attn_q")),
             *mm(p + "attn_k.weight", "xn", "k", kv, c.dim, bias=b("attn_k")),
             *mm(p + "attn_v.weight", "xn", "v", kv, c.dim, bias=b("attn_v")),
@@ -347,14 +362,14 @@ class Llama:
             LaunchTemplate(ops.rope(c.n_kv, c.head_dim, T), {"q": "a:k", "freq": "c:rope_freqs"}),
             LaunchTemplate(ops.kv_store(c.n_kv, c.head_dim, T, **cache), {"k": "a:k", "v": "a:v", **kvb}),
             LaunchTemplate(ops.attention(c.n_head, c.n_kv, c.head_dim, T, **cache), {"q": "a:q", "s": "a:scores", "out": "a:att", **kvb}),
-            *tr("att", q),
+            *tr("att", q), *sm("att", q, "attn_output"),
             *mm(p + "attn_output.weight", "att", "x", c.dim, q, acc=True),
             LaunchTemplate(ops.rmsnorm(c.dim, T, c.eps), {"x": "a:x", "w": f"w:{p}ffn_norm.weight", "out": "a:xn"}),
-            *tr("xn", c.dim),
+            *tr("xn", c.dim), *sm("xn", c.dim, "ffn_gate", "ffn_up"),
             *mm(p + "ffn_gate.weight", "xn", "g", c.ffn, c.dim),
             *mm(p + "ffn_up.weight", "xn", "u", c.ffn, c.dim),
             LaunchTemplate(ops.silu_mul(c.ffn, T), {"g": "a:g", "u": "a:u", "h": "a:h"}),
-            *tr("h", c.ffn),
+            *tr("h", c.ffn), *sm("h", c.ffn, "ffn_down"),
             *mm(p + "ffn_down.weight", "h", "x", c.dim, c.ffn, acc=True),
         ]
 

@@ -10,7 +10,7 @@ import functools
 import math
 
 from . import ir
-from .quant import Format
+from .quant import ROWS, Format, Interleaved
 
 F = ir.f32
 
@@ -22,6 +22,13 @@ def embed(fmt: Format, vocab: int, dim: int, T: int) -> ir.Kernel:
     k.buffer("x", "f32", T * dim, True)
     n = k.scalar("n_tokens")
     nb = dim // fmt.block
+    if isinstance(fmt, Interleaved):
+        with k.parallel("tb", n * nb) as tb:
+            t, b = tb // nb, tb % nb
+            row = k.let("row", k.load("tok", t))
+            for e, v in fmt.values(k, "w", row // ROWS, row % ROWS, dim, b):
+                k.store("x", t * dim + b * fmt.block + e, v)
+        return k.finish()
     with k.parallel("tbg", n * nb * fmt.groups) as tbg:
         tb, g = (tbg, 0) if fmt.groups == 1 else (tbg // fmt.groups, tbg % fmt.groups)
         t, b = tb // nb, tb % nb
@@ -49,22 +56,49 @@ def rmsnorm(dim: int, T: int, eps: float) -> ir.Kernel:
 
 @functools.cache
 def matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=False) -> ir.Kernel:
-    """y[t, r] (+)= W[r, :] . x[t, :] (+ b[r]) for t in [t0, n_tokens); one quantized row per iteration, reused
-    across the step's tokens while it is in cache."""
+    """y[t, r] (+)= W[r, :] . x[t, :] (+ b[r]) for t in [t0, n_tokens); one quantized row per iteration (an
+    interleaved format's: ROWS rows, a vector lane each), reused across the step's tokens while it is in cache.
+    Interleaved formats with offsets also read the input's block sums `xs` (`block_sums`)."""
     k = ir.Kernel(f"matmul_{fmt.name}_{rows}x{cols}_T{T}{'_acc' if accumulate else ''}{'_bias' if bias else ''}")
     k.buffer("w", fmt.storage, rows * fmt.row_units(cols)), k.buffer("x", "f32", T * cols)
+    sums = isinstance(fmt, Interleaved) and fmt.sums
+    if sums:
+        k.buffer("xs", "f32", T * (cols // sums))
     if bias:
         k.buffer("b", "f32", rows)
     k.buffer("y", "f32", T * rows, True)
     n, t0 = k.scalar("n_tokens"), k.scalar("t0")
+
+    def put(t, r, v):
+        if bias:
+            v = v + k.load("b", r)
+        if accumulate:
+            v = k.load("y", t * rows + r) + v
+        k.store("y", t * rows + r, v)
+    if isinstance(fmt, Interleaved):
+        with k.parallel("rg", rows // ROWS) as rg:
+            with k.loop("t", n - t0, "serial", start=t0) as t:
+                with k.loop("ri", ROWS, "vector") as ri:
+                    xsum = (lambda s: k.load("xs", t * (cols // sums) + s)) if sums else None
+                    put(t, rg * ROWS + ri, k.let("dot", fmt.lane_dot(k, "w", rg, ri, cols,
+                                                                    lambda c: k.load("x", t * cols + c), xsum)))
+        return k.finish()
     with k.parallel("r", rows) as r:
         with k.loop("t", n - t0, "serial", start=t0) as t:
-            v = fmt.row_dot(k, "w", r, cols, lambda c: k.load("x", t * cols + c))
-            if bias:
-                v = v + k.load("b", r)
-            if accumulate:
-                v = k.load("y", t * rows + r) + v
-            k.store("y", t * rows + r, v)
+            put(t, r, fmt.row_dot(k, "w", r, cols, lambda c: k.load("x", t * cols + c)))
+    return k.finish()
+
+
+@functools.cache
+def block_sums(cols: int, T: int, span: int) -> ir.Kernel:
+    """xs[t, s] = sum of x[t, s * span : (s + 1) * span]: the block sums interleaved formats' dots read (their
+    blocks' offsets times these), computed once per input instead of once per row."""
+    k = ir.Kernel(f"block_sums_{cols}_T{T}_{span}")
+    ns = cols // span
+    k.buffer("x", "f32", T * cols), k.buffer("xs", "f32", T * ns, True)
+    with k.parallel("ts", k.scalar("n_tokens") * ns) as ts:
+        base = ts // ns * cols + ts % ns * span
+        k.store("xs", ts, ir.reduce("add", "j", span, lambda j: k.load("x", base + j), "vector"))
     return k.finish()
 
 
@@ -88,18 +122,20 @@ def transpose(cols: int, T: int) -> ir.Kernel:
 
 
 @functools.cache
-def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, chunk=0) -> ir.Kernel:
+def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, chunk=0, il=1) -> ir.Kernel:
     """The prefill matmul on f32 weights (a layer matrix dequantized once per step) and activations transposed by
     `transpose`: y[t, r] (+)= sum_c W[r, c] x[t, c] (+ b[r]) for t in [t0, n_tokens). Each iteration computes a
     tile of R rows x `tokens` tokens as an outer product: per column, one vector of the tile's tokens and one W
     value per row (broadcast), R multiply-adds per loaded vector, the tile held in registers. Tiles are aligned
     to `tokens` columns of xt; lanes outside [t0, n_tokens) compute on whatever xt holds and store nothing.
     With `chunk`, W holds rows [row0, row0 + chunk) of the matrix (row0 a scalar): the prefill dequantizes and
-    multiplies a matrix chunk by chunk, so that its f32 rows are read back from cache, not from memory."""
+    multiplies a matrix chunk by chunk, so that its f32 rows are read back from cache, not from memory.
+    With `il` > 1, W's rows come interleaved in groups of il, W[r // il, c, r % il], as an interleaved
+    format's dequantization writes them."""
     n_rows = chunk or rows
     R = next(r for r in (8, 4, 2, 1) if n_rows % r == 0)  # 8 x 32: 16 accumulators where vectors have 16 lanes
     tokens = gemm_tokens(T)
-    k = ir.Kernel(f"gemm_{rows}x{cols}_T{T}_{R}x{tokens}{f'_c{chunk}' if chunk else ''}"
+    k = ir.Kernel(f"gemm_{rows}x{cols}_T{T}_{R}x{tokens}{f'_c{chunk}' if chunk else ''}{f'_il{il}' if il > 1 else ''}"
                   f"{'_acc' if accumulate else ''}{'_bias' if bias else ''}")
     k.buffer("w", "f32", n_rows * cols), k.buffer("xt", "f32", cols * T)
     if bias:
@@ -116,7 +152,8 @@ def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, chunk=0) ->
             tok = tq + j
             c = ir.Var("c")
             xv = k.load("xt", (g * cols + c) * tokens + j)
-            dots = [k.let(f"d{i}", ir.Reduce("add", "c", ir.as_expr(cols), k.load("w", (r0 + i) * cols + c) * xv))
+            w = (lambda r: k.load("w", r * cols + c)) if il == 1 else (lambda r: k.load("w", (r // il * cols + c) * il + r % il))
+            dots = [k.let(f"d{i}", ir.Reduce("add", "c", ir.as_expr(cols), w(r0 + i) * xv))
                     for i in range(R)]
             with k.if_(ir.Bin("land", tok >= t0, tok < n)):
                 for i in range(R):

@@ -7,10 +7,13 @@ pairs that lane yields -- written so that lanes read contiguous bytes, which is 
 on every backend. Dot products (`row_dot`) and dequantization (`dequant_kernel`) are both derived from
 `terms`, so a new format added here works everywhere, with no plugin change.
 
-GGUF's block layouts keep their scales as f16 (or 6-bit fields), which costs a SIMD unit several instructions
-per block to decode. At load, the ggml 4- and 6-bit formats are repacked (`repack`) into layouts of the same
-values with f32 scales inside each block (A4, Q6_Kf): the values are bit-identical, a block costs a load and
-multiply-adds, and every backend reads them through the same `terms`.
+At load, the ggml 4-bit formats are repacked (`repack`) into *row-interleaved* layouts of the same values
+(`Interleaved`: R4, R4K): ROWS rows stored together, each field of a block holding the rows' bytes side by
+side, so that a vector whose lanes are rows reads every field -- scales as well as quants -- with one
+contiguous load and a dot product keeps each row's sum in its own lane (no horizontal sum per block, no scale
+broadcast). Their dots factor the scales out of each block's sum (d * sum q x + m * sum x), reading the
+input's block sums (`ops.block_sums`) for the offsets: a few SIMD instructions per 32 weights, at the
+file's size. Q6_K becomes Q6_Kf (its 16 scales multiplied out to f32).
 """
 from __future__ import annotations
 
@@ -94,20 +97,10 @@ class Q4_0(Format):
 
 
 class Q4_1(Format):
-    def scale_min(self, k, buf, base):
-        return _half(k, buf, base), _half(k, buf, base + 2), 4
-
     def terms(self, k, buf, base, g, l):
-        d, m, qs = self.scale_min(k, buf, base)
-        q = k.load(buf, base + qs + l)
+        d, m = _half(k, buf, base), _half(k, buf, base + 2)
+        q = k.load(buf, base + 4 + l)
         return [(l, d * F(q & 15) + m), (l + 16, d * F(q >> 4) + m)]
-
-
-class A4(Q4_1):
-    """Affine 4-bit blocks of 32, the repacked form of Q4_0, Q4_1 and Q4_K: [scale f32][min f32][16 bytes],
-    byte l holding element l (low nibble) and element l + 16 (high nibble); value = scale * q + min."""
-    def scale_min(self, k, buf, base):
-        return _f32(k, buf, base), _f32(k, buf, base + 4), 8
 
 
 def _k4_scale_min(k, buf, base, s):
@@ -153,6 +146,93 @@ class Q6_Kf(Q6_K):
         return _f32(k, buf, base + 192 + 4 * i)
 
 
+ROWS = 16  # rows stored together in the interleaved layouts: a vector of lanes, one row each
+
+
+class Interleaved(Format):
+    """ROWS rows stored together, block by block. A block is a list of fields, each `size` bytes per row at
+    offset `off` (in bytes per row); field (off, size) of row r lies at byte off * ROWS + r * size of the
+    block's group, so that lanes that are rows load it contiguously. Row counts must be multiples of ROWS.
+    `lane_dot` is the dot product of row `r` of group `rg` (r a vector lane), `values` a block's elements;
+    `sums` is the span of the input's block sums the dot reads (its offsets factored out), 0 for none."""
+    sums = 0
+
+    def at(self, rg, b, nb, r):
+        """field (off, size) of row r of block b of row group rg -> its byte index"""
+        return lambda off, size: (rg * nb + b) * (self.unit * ROWS) + off * ROWS + r * size
+
+    def lane_dot(self, k, buf, rg, r, cols, x, xsum):
+        raise NotImplementedError
+
+    def values(self, k, buf, rg, r, cols, b):
+        """[(element of the block, value)] of row r of group rg, block b"""
+        raise NotImplementedError
+
+
+def _nibble_dot(k, buf, at, off, x):
+    """sum over the 32 elements of a 4-bit sub-block whose 16 bytes start at field `off` (byte j: element j
+    in the low nibble, j + 16 in the high one) of q * x(element), q unscaled -- in the order the CPU keeps
+    in four chains."""
+    def step(j):
+        q = k.load(buf, at(off, 1) + j * ROWS)
+        return F(q & 15) * x(j) + F(q >> 4) * x(j + 16)
+    return ir.reduce("add", "j", 16, step, "unroll")
+
+
+def _nibbles(k, buf, at, off):
+    out = []
+    for j in range(16):
+        q = k.load(buf, at(off + j, 1))
+        out += [(j, F(q & 15)), (j + 16, F(q >> 4))]
+    return out
+
+
+class R4(Interleaved):
+    """Blocks of 32 (Q4_0, Q4_1): [d f16][m f16][16 bytes of nibbles] per row; value = d * q + m."""
+    sums = 32
+
+    def lane_dot(self, k, buf, rg, r, cols, x, xsum):
+        nb = cols // 32
+
+        def block(b):
+            at = self.at(rg, b, nb, r)
+            d, m = _half(k, buf, at(0, 2)), _half(k, buf, at(2, 2))
+            return d * _nibble_dot(k, buf, at, 4, lambda j: x(b * 32 + j)) + m * xsum(b)
+        return ir.reduce("add", "b", nb, block)
+
+    def values(self, k, buf, rg, r, cols, b):
+        at = self.at(rg, b, cols // 32, r)
+        d, m = _half(k, buf, at(0, 2)), _half(k, buf, at(2, 2))
+        return [(e, d * q + m) for e, q in _nibbles(k, buf, at, 4)]
+
+
+class R4K(Interleaved):
+    """Q4_K's super-blocks of 256: [d f16][dmin f16][8 scales u8][8 mins u8][8 x 16 bytes of nibbles] per
+    row; sub-block s's value = d * scale_s * q - dmin * min_s, its 16 bytes laid out as R4's."""
+    sums = 32
+
+    def lane_dot(self, k, buf, rg, r, cols, x, xsum):
+        nb = cols // 256
+
+        def block(b):
+            at = self.at(rg, b, nb, r)
+            d, dmin = _half(k, buf, at(0, 2)), _half(k, buf, at(2, 2))
+            parts = [(d * F(k.load(buf, at(4 + s, 1)))) * _nibble_dot(k, buf, at, 20 + 16 * s,
+                                                                        lambda j, s=s: x(b * 256 + s * 32 + j))
+                     - (dmin * F(k.load(buf, at(12 + s, 1)))) * xsum(b * 8 + s) for s in range(8)]
+            return sum(parts[1:], parts[0])
+        return ir.reduce("add", "b", nb, block)
+
+    def values(self, k, buf, rg, r, cols, b):
+        at = self.at(rg, b, cols // 256, r)
+        d, dmin = _half(k, buf, at(0, 2)), _half(k, buf, at(2, 2))
+        out = []
+        for s in range(8):
+            sc, mn = d * F(k.load(buf, at(4 + s, 1))), dmin * F(k.load(buf, at(12 + s, 1)))
+            out += [(s * 32 + e, sc * q - mn) for e, q in _nibbles(k, buf, at, 20 + 16 * s)]
+        return out
+
+
 FORMATS = {
     "F32": Plain("F32", 32, 32, "f32", 1, 32),
     "F16": Plain("F16", 32, 32, "f16", 1, 32),
@@ -166,7 +246,8 @@ FORMATS = {
 
 
 PACKED = {
-    "A4": A4("A4", 32, 24, "u8", 1, 16),
+    "R4": R4("R4", 32, 20, "u8", 1, ROWS),
+    "R4K": R4K("R4K", 256, 148, "u8", 1, ROWS),
     "Q6_Kf": Q6_Kf("Q6_Kf", 256, 256, "u8", 4, 16),
 }
 
@@ -179,48 +260,63 @@ def _f32_bytes(v):
     return np.ascontiguousarray(v, "<f4").view(np.uint8).reshape(len(v), -1)
 
 
-def _a4(scale, mn, nibbles):
-    return np.concatenate([_f32_bytes(scale), _f32_bytes(mn), nibbles], axis=1)
+def _interleave(rows, fields, byte_fields):
+    """Blocks' fields, each (rows * nb, size) bytes, and runs of 1-byte fields, each (rows * nb, count) (a
+    field per column) -> the interleaved layout's bytes: per row group and block, each field's rows side by
+    side, in the order given."""
+    def grouped(a):
+        return a.reshape(rows // ROWS, ROWS, a.shape[0] // rows, a.shape[1])
+    parts = [grouped(f).transpose(0, 2, 1, 3) for f in fields] + [grouped(f).transpose(0, 2, 3, 1) for f in byte_fields]
+    return np.concatenate([p.reshape(p.shape[0], p.shape[1], -1) for p in parts], axis=2).reshape(-1)
 
 
-def _pack_q4_0(b):
-    d = _f16_at(b, 0)
-    return _a4(d, -8 * d, b[:, 2:18])
+def _f16_field(v):
+    return np.ascontiguousarray(v, "<f2").view(np.uint8).reshape(len(v), 2)
 
 
-def _pack_q4_1(b):
-    return _a4(_f16_at(b, 0), _f16_at(b, 2), b[:, 4:20])
+def _pack_q4_0(b, rows):
+    m = _f16_at(b, 0) * np.float32(-8)
+    if not np.isfinite(m.astype(np.float16)).all():
+        raise ModelFileError("model", "a Q4_0 block scale beyond 8191 has no R4 form")
+    return _interleave(rows, [b[:, 0:2], _f16_field(m)], [b[:, 2:18]])
 
 
-def _pack_q4_k(b):
-    d, dmin, s = _f16_at(b, 0), _f16_at(b, 2), b[:, 4:16].astype(np.uint16)
+def _pack_q4_1(b, rows):
+    return _interleave(rows, [b[:, 0:2], b[:, 2:4]], [b[:, 4:20]])
+
+
+def _pack_q4_k(b, rows):
+    s = b[:, 4:16]
     sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 15) | ((s[:, 0:4] >> 6) << 4)], axis=1)
     mn = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
     qs = b[:, 16:144].reshape(-1, 4, 1, 32)
-    q = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(-1, 32)      # sub-block 2p, then 2p + 1
-    return _a4((d[:, None] * sc).reshape(-1), -(dmin[:, None] * mn).reshape(-1), q[:, :16] | (q[:, 16:] << 4))
+    q = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(-1, 8, 32)      # sub-block 2p, then 2p + 1
+    return _interleave(rows, [b[:, 0:2], b[:, 2:4]], [sc, mn, (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(-1, 128)])
 
 
-def _pack_q6_k(b):
+def _pack_q6_k(b, rows):
     scales = _f16_at(b, 208)[:, None] * b[:, 192:208].view(np.int8)
     return np.concatenate([b[:, :192], _f32_bytes(scales.reshape(-1)).reshape(len(b), 64)], axis=1)
 
 
-REPACK = {"Q4_0": ("A4", _pack_q4_0), "Q4_1": ("A4", _pack_q4_1), "Q4_K": ("A4", _pack_q4_k),
+REPACK = {"Q4_0": ("R4", _pack_q4_0), "Q4_1": ("R4", _pack_q4_1), "Q4_K": ("R4K", _pack_q4_k),
           "Q6_K": ("Q6_Kf", _pack_q6_k)}
 
 
-def packed_format(fmt: Format) -> Format:
-    """The layout a device holds fmt's tensors in (fmt itself when it has no repacked form)."""
-    return PACKED[REPACK[fmt.name][0]] if fmt.name in REPACK else fmt
+def packed_format(fmt: Format, rows: int) -> Format:
+    """The layout a device holds fmt's tensors of `rows` rows in (fmt itself when it has no repacked form, or
+    the row count is not a multiple of an interleaved layout's ROWS)."""
+    packed = PACKED[REPACK[fmt.name][0]] if fmt.name in REPACK else fmt
+    return fmt if isinstance(packed, Interleaved) and rows % ROWS else packed
 
 
-def repack(fmt: Format, raw: np.ndarray) -> np.ndarray:
-    """raw bytes of fmt's blocks -> the same values in packed_format(fmt)'s layout (uint8)."""
-    if fmt.name not in REPACK:
+def repack(fmt: Format, raw: np.ndarray, rows: int) -> np.ndarray:
+    """raw bytes of fmt's blocks (a tensor of `rows` rows) -> the same values in packed_format(fmt, rows)'s
+    layout (uint8)."""
+    if packed_format(fmt, rows) is fmt:
         return raw
     blocks = np.asarray(raw, np.uint8).reshape(-1, fmt.unit)
-    return np.ascontiguousarray(REPACK[fmt.name][1](blocks)).reshape(-1)
+    return np.ascontiguousarray(REPACK[fmt.name][1](blocks, rows)).reshape(-1)
 
 
 def get_format(type_name, cols, where=""):
@@ -239,16 +335,24 @@ def get_format(type_name, cols, where=""):
 @functools.cache  # kernels are immutable once finished
 def dequant_kernel(fmt: Format, rows: int, cols: int, chunk: int = 0) -> ir.Kernel:
     """W -> f32 rows: the reference definition of a format's values, and the first half of a prefill matmul.
-    With `chunk`, only rows [row0, row0 + chunk) (row0 a scalar), into a chunk-sized out."""
+    With `chunk`, only rows [row0, row0 + chunk) (row0 a scalar), into a chunk-sized out. An interleaved
+    format's rows come out interleaved as it stores them: out[row // ROWS, col, row % ROWS]."""
     n = chunk or rows
     k = ir.Kernel(f"dequant_{fmt.name}_{rows}x{cols}" + (f"_c{chunk}" if chunk else ""))
     k.buffer("w", fmt.storage, rows * fmt.row_units(cols))
     k.buffer("out", "f32", n * cols, True)
     nb = cols // fmt.block
-    first = k.scalar("row0") * nb if chunk else 0
+    row0 = k.scalar("row0") if chunk else 0
+    if isinstance(fmt, Interleaved):
+        with k.parallel("gb", n // ROWS * nb) as gb:
+            g, b = gb // nb, gb % nb
+            with k.loop("r", ROWS, "vector") as r:
+                for e, v in fmt.values(k, "w", row0 // ROWS + g, r, cols, b):
+                    k.store("out", (g * cols + b * fmt.block + e) * ROWS + r, v)
+        return k.finish()
     with k.parallel("rbg", n * nb * fmt.groups) as rbg:
         rb, g = (rbg, 0) if fmt.groups == 1 else (rbg // fmt.groups, rbg % fmt.groups)
         with k.loop("l", fmt.lanes, "vector") as l:
-            for j, w in fmt.terms(k, "w", (first + rb) * fmt.unit, g, l):
+            for j, w in fmt.terms(k, "w", (row0 * nb + rb) * fmt.unit, g, l):
                 k.store("out", rb * fmt.block + j, w)
     return k.finish()

@@ -27,9 +27,9 @@ def llama_3_2_1b_q4_k_m():
 def test_llama_1b_shape_kernels_compile():
     kernels = model_kernels(llama_3_2_1b_q4_k_m(), context=8192)
     names = {k.name.split("_")[0] for k in kernels}
-    assert {"embed", "rmsnorm", "matmul", "rope", "kvstore", "attn", "silu", "dequant", "transpose", "gemm"} <= names
+    assert {"embed", "rmsnorm", "matmul", "block", "rope", "kvstore", "attn", "silu", "dequant", "transpose", "gemm"} <= names
     # Q6_K and Q4_K tensors are read in their load-time packed layouts
-    assert any("Q6_Kf" in k.name for k in kernels) and any("_A4_" in k.name for k in kernels)
+    assert any("Q6_Kf" in k.name for k in kernels) and any("_R4K_" in k.name for k in kernels)
     for arch in ("sm_90", "sm_75"):
         report = CudaBackend.compile_ahead(kernels, arch)
         assert len(report) == len(kernels) and all(r["bytes"] > 0 for r in report)

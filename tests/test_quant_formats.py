@@ -59,23 +59,36 @@ def test_row_dot_matches_gguf(cpu, name):
 
 @pytest.mark.parametrize("name", sorted(quant.REPACK))
 def test_repacked_layout_holds_the_same_values(cpu, name):
-    """The load-time repacking (f32 scales inside blocks) changes no value: dequantized and dotted on the device,
-    the packed tensor equals gguf's reference exactly / to rounding."""
-    rows, cols = 3, 768
+    """The load-time repacking changes no value: dequantized on the device, the packed tensor equals gguf's
+    reference exactly; its matmul (an interleaved layout's reads the input's block sums) equals the reference
+    dot to rounding, for several tokens."""
+    rows, cols, T = 48, 768, 3
     rng = np.random.default_rng(11)
     w, ref = random_tensor(name, rows, cols, rng)
-    fmt = quant.packed_format(quant.get_format(name, cols))
+    fmt = quant.packed_format(quant.get_format(name, cols), rows)
     assert fmt.name != name
-    packed = quant.repack(quant.get_format(name, cols), w)
+    packed = quant.repack(quant.get_format(name, cols), w, rows)
     assert packed.size == fmt.nbytes(rows, cols)
     k = quant.dequant_kernel(fmt, rows, cols)
     got = run_on_device(cpu, k, {"w": packed, "out": np.zeros(rows * cols, np.float32)}, {})["out"]
+    if isinstance(fmt, quant.Interleaved):
+        got = got.reshape(rows // quant.ROWS, cols, quant.ROWS).transpose(0, 2, 1)
     np.testing.assert_array_equal(got.reshape(rows, cols), ref)
-    x = rng.standard_normal(cols).astype(np.float32)
-    mm = ops.matmul(fmt, rows, cols, 1)
-    y = run_on_device(cpu, mm, {"w": packed, "x": x, "y": np.zeros(rows, np.float32)}, {"n_tokens": 1, "t0": 0})["y"]
-    want = ref.astype(np.float64) @ x
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    mm = ops.matmul(fmt, rows, cols, T)
+    bufs = {"w": packed, "x": x.reshape(-1), "y": np.zeros(T * rows, np.float32)}
+    if "xs" in mm.buffers:
+        sums = ops.block_sums(cols, T, fmt.sums)
+        bufs["xs"] = run_on_device(cpu, sums, {"x": x.reshape(-1), "xs": np.zeros(T * cols // fmt.sums, np.float32)},
+                                   {"n_tokens": T})["xs"]
+    y = run_on_device(cpu, mm, bufs, {"n_tokens": T, "t0": 0})["y"].reshape(T, rows)
+    want = x.astype(np.float64) @ ref.T.astype(np.float64)
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_interleaved_layouts_keep_odd_row_counts_in_the_file_format():
+    fmt = quant.get_format("Q4_K", 256)
+    assert quant.packed_format(fmt, 40) is fmt and quant.packed_format(fmt, 48).name == "R4K"
 
 
 def test_unsupported_format_is_named():

@@ -106,6 +106,7 @@ class KernelLowering:
         self.env = {name: a[nb + i] for i, name in enumerate(kernel.scalars)}
         self.mutable = {}  # Local name -> alloca
         self.memo = {}  # IR node id -> VVal within one vector body (a block's bytes are loaded once)
+        self.prefetching = True  # off in the iterations of an unrolled reduce whose loads share a cache line
         self.module = module
 
     # ------------------------------------------------------------------ helpers
@@ -179,7 +180,8 @@ class KernelLowering:
     def stmt(self, s):
         b = self.b
         if isinstance(s, ir.Store):
-            self.store(s.buf, self.expr(s.index), self.expr(s.value))
+            dt = self.k.buffers[s.buf].dtype
+            b.store(self.to_storage(dt, self.expr(s.value)), self.element(s.buf, [self.expr(t) for t in _index_terms(s.index)]))
         elif isinstance(s, ir.AtomicAdd):
             dt = self.k.buffers[s.buf].dtype
             if dt not in ("f32", "i32"):
@@ -217,9 +219,18 @@ class KernelLowering:
         self.loop(start, self.b.add(start, ext), lambda i: self.block(s.body, {s.var: i}))
 
     # ------------------------------------------------------------------ memory
-    def load(self, buf, idx):
+    def element(self, buf, parts, etype=None):
+        """Pointer to element sum(parts) of buf (i32 values). Each part is sign-extended and added on its own:
+        an i32 sum extended once would hide its constant offsets and loop-invariant parts from the addressing
+        modes (LLVM cannot split it once reassociation has dropped the no-overflow flags)."""
+        ptr = self.ptrs[buf]
+        for v in parts:
+            ptr = self.b.gep(ptr, [self.b.sext(v, I64)], source_etype=etype or STORAGE[self.k.buffers[buf].dtype])
+        return ptr
+
+    def load(self, buf, idx, parts=None):
         b, dt = self.b, self.k.buffers[buf].dtype
-        v = b.load(b.gep(self.ptrs[buf], [idx], source_etype=STORAGE[dt]), typ=STORAGE[dt])
+        v = b.load(self.element(buf, parts or [idx]), typ=STORAGE[dt])
         return self.from_storage(dt, v)
 
     def from_storage(self, dt, v):
@@ -266,7 +277,7 @@ class KernelLowering:
                 return b.load(self.mutable[e.name], typ=COMPUTE[e.dtype])
             return self.env[e.name]
         if isinstance(e, ir.Load):
-            return self.load(e.buf, self.expr(e.index))
+            return self.load(e.buf, None, [self.expr(t) for t in _index_terms(e.index)])
         if isinstance(e, ir.Bin):
             return self.binop(e.op, self.expr(e.a), self.expr(e.b), e.a.dtype)
         if isinstance(e, ir.Un):
@@ -407,7 +418,7 @@ class KernelLowering:
     # ------------------------------------------------------------------ vector code
     def vectorizable_expr(self, e):
         if isinstance(e, ir.Reduce):
-            return False
+            return _unrolled(e) and self.vectorizable_expr(e.value)
         return all(self.vectorizable_expr(c) for c in _children(e))
 
     def vectorizable_body(self, body, guarded=False):
@@ -455,25 +466,32 @@ class KernelLowering:
         if isinstance(e, (ir.Const, ir.Var)):
             return VVal("u", self.expr(e))
         if isinstance(e, ir.Load):
-            idx = self.vexpr(e.index, venv)
+            parts = [self.vexpr(t, venv) for t in _index_terms(e.index)]
             dt = self.k.buffers[e.buf].dtype
-            if idx.kind == "u":
-                return VVal("u", self.load(e.buf, idx.val))
-            if idx.kind == "lin" and idx.stride == 1:
+            if all(p.kind == "u" for p in parts):
+                return VVal("u", self.load(e.buf, None, [p.val for p in parts]))
+            if all(p.kind != "v" for p in parts) and sum(p.stride for p in parts) == 1:
                 vt = L.VectorType(STORAGE[dt], self.W)
-                ptr = b.gep(self.ptrs[e.buf], [idx.val], source_etype=STORAGE[dt])
+                ptr = self.element(e.buf, [p.val for p in parts])
                 p = self.k.buffers[e.buf]
-                if PREFETCH and not p.write and p.dtype == "u8" and p.size >= PREFETCH_MIN:
+                if PREFETCH and self.prefetching and not p.write and p.dtype == "u8" and p.size >= PREFETCH_MIN:
                     ahead = b.gep(ptr, [L.Constant(I32, PREFETCH)], source_etype=I8)
                     b.call(self.prefetch(), [ahead, L.Constant(I32, 0), L.Constant(I32, 3), L.Constant(I32, 1)])
                 v = b.load(ptr, typ=vt, align=1)
                 return VVal("v", self.from_storage(dt, v))
-            iv = self.to_vec(idx, "i32")
+            iv = self.to_vec(self.vexpr(e.index, venv), "i32")
             out = L.Constant(self.vec_type(e.dtype), L.Undefined)
             for j in range(self.W):
                 out = b.insert_element(out, self.load(e.buf, b.extract_element(iv, L.Constant(I32, j))), L.Constant(I32, j))
             return VVal("v", out)
+        if isinstance(e, ir.Reduce):
+            return self.unrolled_reduce(e, venv)
         if isinstance(e, ir.Bin):
+            field = _byte_field(e, self.k)
+            if field:
+                v = self.field_load(field, venv)
+                if v:
+                    return v
             x, y = self.vexpr(e.a, venv), self.vexpr(e.b, venv)
             if x.kind == "u" and y.kind == "u":
                 return VVal("u", self.binop(e.op, x.val, y.val, e.a.dtype))
@@ -492,6 +510,9 @@ class KernelLowering:
                 return VVal("u", self.unop(e.op, x.val, e.a.dtype))
             return VVal("v", self.unop(e.op, self.to_vec(x, e.a.dtype), e.a.dtype))
         if isinstance(e, ir.Cast):
+            small = _nibble(e.a, self.k) if (e.a.dtype, e.dtype, self.W) == ("i32", "f32", 16) else None
+            if small is not None and self.vexpr(small, venv).kind != "u":
+                return VVal("v", self.nibble_to_float(self.to_vec(self.vexpr(small, venv), "i32")))
             x = self.vexpr(e.a, venv)
             if x.kind == "u":
                 return VVal("u", self.cast(x.val, e.a.dtype, e.dtype))
@@ -502,6 +523,49 @@ class KernelLowering:
                 return VVal("u", b.select(c.val, x.val, y.val))
             return VVal("v", b.select(self.to_vec(c, "bool"), self.to_vec(x, e.dtype), self.to_vec(y, e.dtype)))
         raise NotVectorizable(repr(e))
+
+    def unrolled_reduce(self, e, venv):
+        """An unrolled reduce in a vector body: its iterations' summands spread over UNROLL_ACCS chains of
+        multiply-adds, so that the add latency does not bound it, joined at the end."""
+        dt, chains, n = e.value.dtype, [], 0
+        for j in range(e.extent.value):
+            saved = self.memo
+            self.memo = dict(saved)  # values of the enclosing body stay shared; this iteration's are its own
+            # consecutive iterations read consecutive vectors of bytes (interleaved weights): one prefetch per line
+            self.prefetching = j % max(1, 64 // self.W) == 0
+            for t in _terms(e.value) if e.op == "add" else [e.value]:
+                v = self.to_vec(self.vexpr(t, {**venv, e.var: VVal("u", L.Constant(I32, j))}), dt)
+                if len(chains) < UNROLL_ACCS:
+                    chains.append(v)
+                else:
+                    chains[n % UNROLL_ACCS] = self.combine(e.op, chains[n % UNROLL_ACCS], v, dt)
+                n += 1
+            self.memo = saved
+        self.prefetching = True
+        while len(chains) > 1:
+            chains = [self.combine(e.op, a, b, dt) for a, b in zip(chains[::2], chains[1::2])] + chains[len(chains) // 2 * 2:]
+        return VVal("v", chains[0])
+
+    def nibble_to_float(self, v):
+        """float(v & 15) for 16 lanes in one instruction (AVX-512 vpermps from the table 0..15, which reads only
+        each index's low 4 bits) instead of a mask and a conversion: 4-bit weights decode on the shuffle port
+        while the multiply-adds use the others."""
+        vt = L.VectorType(F32, 16)
+        name = "llvm.x86.avx512.permvar.sf.512"
+        fn = self.module.globals.get(name) or L.Function(self.module, L.FunctionType(vt, [vt, v.type]), name=name)
+        return self.b.call(fn, [L.Constant(vt, [float(i) for i in range(16)]), v])
+
+    def field_load(self, field, venv):
+        """A little-endian field of n bytes assembled from a byte buffer by shifts and ors, read by lanes n
+        bytes apart: one vector load of n-byte integers (None when the lanes are not n bytes apart)."""
+        buf, index, n = field
+        parts = [self.vexpr(t, venv) for t in _index_terms(index)]
+        if any(p.kind == "v" for p in parts) or sum(p.stride for p in parts) != n:
+            return None
+        ity = L.IntType(8 * n)
+        ptr = self.element(buf, [p.val for p in parts])
+        v = self.b.load(ptr, typ=L.VectorType(ity, self.W), align=1)
+        return VVal("v", v if n == 4 else self.b.zext(v, L.VectorType(I32, self.W)))
 
     def split_extent(self, ext):
         """(end of the W-wide part, end) for a loop of `ext` iterations from 0."""
@@ -552,12 +616,13 @@ class KernelLowering:
     def vector_store(self, st, venv, mask=None):
         """A store in a vector body; with a lane mask, only the lanes whose mask bit is set store."""
         self.memo = {}  # a store may change what a later load reads
-        idx, val = self.vexpr(st.index, venv), self.vexpr(st.value, venv)
+        parts, val = [self.vexpr(t, venv) for t in _index_terms(st.index)], self.vexpr(st.value, venv)
         dt = self.k.buffers[st.buf].dtype
-        if mask is None and idx.kind == "lin" and idx.stride == 1:
+        if mask is None and all(p.kind != "v" for p in parts) and sum(p.stride for p in parts) == 1:
             v = self.to_storage(dt, self.to_vec(val, st.value.dtype))
-            self.b.store(v, self.b.gep(self.ptrs[st.buf], [idx.val], source_etype=STORAGE[dt]), align=1)
+            self.b.store(v, self.element(st.buf, [p.val for p in parts]), align=1)
             return
+        idx = self.vexpr(st.index, venv)
         iv, vv = self.to_vec(idx, "i32"), self.to_vec(val, st.value.dtype)
         for j in range(self.W):
             c = L.Constant(I32, j)
@@ -684,6 +749,74 @@ def _vector_parts(e):
         else:
             return None
     return parts
+
+
+def _range(e, k):
+    """(lo, hi) bounds of an i32 expression, where simple structure shows them; else None."""
+    if isinstance(e, ir.Const) and e.dtype == "i32":
+        return e.value, e.value
+    if isinstance(e, ir.Load):
+        return {"u8": (0, 255), "i8": (-128, 127)}.get(k.buffers[e.buf].dtype)
+    if isinstance(e, ir.Bin) and isinstance(e.b, ir.Const) and e.b.value >= 0:
+        if e.op == "and":
+            return 0, e.b.value
+        a = _range(e.a, k)
+        if e.op == "shr" and a and a[0] >= 0:
+            return a[0] >> e.b.value, a[1] >> e.b.value
+    return None
+
+
+def _nibble(e, k):
+    """An expression whose low 4 bits equal i32 e, when e lies in [0, 15] (e & 15 itself gives its operand)."""
+    if isinstance(e, ir.Bin) and e.op == "and" and isinstance(e.b, ir.Const) and e.b.value == 15:
+        return e.a
+    r = _range(e, k)
+    return e if r and 0 <= r[0] and r[1] <= 15 else None
+
+
+def _index_terms(e):
+    """The summands of an i32 index."""
+    if isinstance(e, ir.Bin) and e.op == "add" and e.dtype == "i32":
+        return _index_terms(e.a) + _index_terms(e.b)
+    return [e]
+
+
+def _unrolled(e):
+    return e.kind == "unroll" and isinstance(e.extent, ir.Const) and 0 < e.extent.value <= UNROLL_MAX
+
+
+def _byte_field(e, k):
+    """(buffer, index of the first byte, n) when e assembles n = 2 or 4 consecutive bytes of a byte buffer
+    little-endian (loads or-ed together, byte i shifted left by 8 i), else None."""
+    parts = []
+
+    def walk(x, shift):
+        if isinstance(x, ir.Bin) and x.op == "or":
+            return walk(x.a, shift) and walk(x.b, shift)
+        if isinstance(x, ir.Bin) and x.op == "shl" and isinstance(x.b, ir.Const):
+            return walk(x.a, shift + x.b.value)
+        if isinstance(x, ir.Load) and k.buffers[x.buf].dtype == "u8":
+            parts.append((shift, x))
+            return True
+        return False
+    if not walk(e, 0) or len(parts) not in (2, 4):
+        return None
+    parts.sort(key=lambda p: p[0])
+    first = parts[0][1]
+    for i, (shift, load) in enumerate(parts):
+        if shift != 8 * i or load.buf != first.buf or _offset(load.index, first.index) != i:
+            return None
+    return first.buf, first.index, len(parts)
+
+
+def _offset(idx, base):
+    """c when idx is base + c (a chain of constant additions), else None."""
+    if idx is base:
+        return 0
+    if isinstance(idx, ir.Bin) and idx.op == "add" and isinstance(idx.b, ir.Const):
+        inner = _offset(idx.a, base)
+        return None if inner is None else inner + idx.b.value
+    return None
 
 
 def _var_names(e):
