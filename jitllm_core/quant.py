@@ -7,13 +7,13 @@ pairs that lane yields -- written so that lanes read contiguous bytes, which is 
 on every backend. Dot products (`row_dot`) and dequantization (`dequant_kernel`) are both derived from
 `terms`, so a new format added here works everywhere, with no plugin change.
 
-At load, the ggml 4-bit formats are repacked (`repack`) into *row-interleaved* layouts of the same values
-(`Interleaved`: R4, R4K): ROWS rows stored together, each field of a block holding the rows' bytes side by
+At load, the ggml 4- and 6-bit formats are repacked (`repack`) into *row-interleaved* layouts of the same
+values (`Interleaved`: R4, R4K, R6): ROWS rows stored together, each field of a block holding the rows' bytes side by
 side, so that a vector whose lanes are rows reads every field -- scales as well as quants -- with one
 contiguous load and a dot product keeps each row's sum in its own lane (no horizontal sum per block, no scale
 broadcast). Their dots factor the scales out of each block's sum (d * sum q x + m * sum x), reading the
 input's block sums (`ops.block_sums`) for the offsets: a few SIMD instructions per 32 weights, at the
-file's size. Q6_K becomes Q6_Kf (its 16 scales multiplied out to f32).
+file's size (Q4_K: 4.6 bits per weight instead of 4.5, its packed 6-bit scales widened to bytes).
 """
 from __future__ import annotations
 
@@ -34,10 +34,6 @@ def _u16(k, buf, i):
 
 def _half(k, buf, i):
     return ir.f16bits(_u16(k, buf, i))
-
-
-def _f32(k, buf, i):
-    return ir.f32bits(_u16(k, buf, i) | (_u16(k, buf, i + 2) << 16))
 
 
 def _i8(v):
@@ -140,12 +136,6 @@ class Q6_K(Format):
         return [(128 * n + 32 * i + l, sc(i) * F(q[i] - 32)) for i in range(4)]
 
 
-class Q6_Kf(Q6_K):
-    """Q6_K with its 16 scales multiplied out to f32: ql[128], qh[64], 16 x f32."""
-    def scale(self, k, buf, base, i):
-        return _f32(k, buf, base + 192 + 4 * i)
-
-
 ROWS = 16  # rows stored together in the interleaved layouts: a vector of lanes, one row each
 
 
@@ -233,6 +223,44 @@ class R4K(Interleaved):
         return out
 
 
+class R6(Interleaved):
+    """Q6_K's super-blocks of 256: [d f16][16 scales i8][16 x 8 bytes of low nibbles][16 x 4 bytes of high bit
+    pairs] per row. Element e of sub-block s (16 elements) keeps its low 4 bits in nibble e // 8 of byte e % 8
+    of s's 8 bytes, its high 2 bits at bit 2 (e // 4) of byte e % 4 of s's 4; value = d * scale_s * (q - 32).
+    Dots split q - 32 into (low - 32) + 16 high, each a function of 4 bits (a table lookup on the CPU)."""
+
+    def parts(self, k, buf, at, s, j):
+        """[(element, low - 32, 16 high)] of step j (0..3) of sub-block s: the elements of bytes j and j + 4 of
+        its low nibbles and byte j of its high pairs."""
+        a, c = k.load(buf, at(18 + 8 * s + j, 1)), k.load(buf, at(22 + 8 * s + j, 1))
+        h = k.load(buf, at(146 + 4 * s + j, 1))
+        lows = [(j, a & 15), (j + 4, c & 15), (j + 8, a >> 4), (j + 12, c >> 4)]
+        return [(e, lo - 32, ((h >> 2 * i) & 3) << 4) for i, (e, lo) in enumerate(lows)]
+
+    def scale(self, k, buf, at, s):
+        return _half(k, buf, at(0, 2)) * F(_i8(k.load(buf, at(2 + s, 1))))
+
+    def lane_dot(self, k, buf, rg, r, cols, x, xsum):
+        nb = cols // 256
+
+        def block(b):
+            at = self.at(rg, b, nb, r)
+
+            def step(j, s):
+                ts = [F(lo) * x(b * 256 + s * 16 + e) + F(hi) * x(b * 256 + s * 16 + e)
+                      for e, lo, hi in self.parts(k, buf, at, s, j)]
+                return sum(ts[1:], ts[0])
+            subs = [self.scale(k, buf, at, s) * ir.reduce("add", "j", 4, lambda j, s=s: step(j, s), "unroll")
+                    for s in range(16)]
+            return sum(subs[1:], subs[0])
+        return ir.reduce("add", "b", nb, block)
+
+    def values(self, k, buf, rg, r, cols, b):
+        at = self.at(rg, b, cols // 256, r)
+        return [(s * 16 + e, self.scale(k, buf, at, s) * F(lo + hi)) for s in range(16) for j in range(4)
+                for e, lo, hi in self.parts(k, buf, at, s, j)]
+
+
 FORMATS = {
     "F32": Plain("F32", 32, 32, "f32", 1, 32),
     "F16": Plain("F16", 32, 32, "f16", 1, 32),
@@ -248,16 +276,12 @@ FORMATS = {
 PACKED = {
     "R4": R4("R4", 32, 20, "u8", 1, ROWS),
     "R4K": R4K("R4K", 256, 148, "u8", 1, ROWS),
-    "Q6_Kf": Q6_Kf("Q6_Kf", 256, 256, "u8", 4, 16),
+    "R6": R6("R6", 256, 210, "u8", 1, ROWS),
 }
 
 
 def _f16_at(blocks, off):
     return blocks[:, off:off + 2].copy().view(np.float16)[:, 0].astype(np.float32)
-
-
-def _f32_bytes(v):
-    return np.ascontiguousarray(v, "<f4").view(np.uint8).reshape(len(v), -1)
 
 
 def _interleave(rows, fields, byte_fields):
@@ -295,12 +319,17 @@ def _pack_q4_k(b, rows):
 
 
 def _pack_q6_k(b, rows):
-    scales = _f16_at(b, 208)[:, None] * b[:, 192:208].view(np.int8)
-    return np.concatenate([b[:, :192], _f32_bytes(scales.reshape(-1)).reshape(len(b), 64)], axis=1)
+    ql, qh = b[:, :128].reshape(-1, 2, 64), b[:, 128:192].reshape(-1, 2, 1, 32)
+    low = np.concatenate([ql[:, :, :32] & 15, ql[:, :, 32:] & 15, ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4], axis=2)
+    high = (qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3                  # file order: element 128 n + 32 i + l
+    low, high = low.reshape(-1, 16, 2, 8), high.reshape(-1, 16, 4, 4)          # per sub-block: e = 8 hi + i, 4 hi + i
+    nibbles = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(-1, 128)
+    pairs = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(-1, 64)
+    return _interleave(rows, [b[:, 208:210]], [b[:, 192:208], nibbles, pairs])
 
 
 REPACK = {"Q4_0": ("R4", _pack_q4_0), "Q4_1": ("R4", _pack_q4_1), "Q4_K": ("R4K", _pack_q4_k),
-          "Q6_K": ("Q6_Kf", _pack_q6_k)}
+          "Q6_K": ("R6", _pack_q6_k)}
 
 
 def packed_format(fmt: Format, rows: int) -> Format:

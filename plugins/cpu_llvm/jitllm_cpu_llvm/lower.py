@@ -510,9 +510,9 @@ class KernelLowering:
                 return VVal("u", self.unop(e.op, x.val, e.a.dtype))
             return VVal("v", self.unop(e.op, self.to_vec(x, e.a.dtype), e.a.dtype))
         if isinstance(e, ir.Cast):
-            small = _nibble(e.a, self.k) if (e.a.dtype, e.dtype, self.W) == ("i32", "f32", 16) else None
-            if small is not None and self.vexpr(small, venv).kind != "u":
-                return VVal("v", self.nibble_to_float(self.to_vec(self.vexpr(small, venv), "i32")))
+            table = _table(e.a, self.k) if (e.a.dtype, e.dtype, self.W) == ("i32", "f32", 16) else None
+            if table and self.vexpr(table[0], venv).kind != "u":
+                return VVal("v", self.lookup16(table[1], self.to_vec(self.vexpr(table[0], venv), "i32")))
             x = self.vexpr(e.a, venv)
             if x.kind == "u":
                 return VVal("u", self.cast(x.val, e.a.dtype, e.dtype))
@@ -546,14 +546,14 @@ class KernelLowering:
             chains = [self.combine(e.op, a, b, dt) for a, b in zip(chains[::2], chains[1::2])] + chains[len(chains) // 2 * 2:]
         return VVal("v", chains[0])
 
-    def nibble_to_float(self, v):
-        """float(v & 15) for 16 lanes in one instruction (AVX-512 vpermps from the table 0..15, which reads only
-        each index's low 4 bits) instead of a mask and a conversion: 4-bit weights decode on the shuffle port
-        while the multiply-adds use the others."""
+    def lookup16(self, table, v):
+        """table[v & 15] for 16 lanes in one instruction (AVX-512 vpermps reads only each index's low 4 bits):
+        a float of a function of 4 bits -- a quantized weight's nibble, with its offset -- costs one shuffle
+        instead of masks, shifts, adds and a conversion, and runs on the port the multiply-adds leave free."""
         vt = L.VectorType(F32, 16)
         name = "llvm.x86.avx512.permvar.sf.512"
         fn = self.module.globals.get(name) or L.Function(self.module, L.FunctionType(vt, [vt, v.type]), name=name)
-        return self.b.call(fn, [L.Constant(vt, [float(i) for i in range(16)]), v])
+        return self.b.call(fn, [L.Constant(vt, [float(t) for t in table]), v])
 
     def field_load(self, field, venv):
         """A little-endian field of n bytes assembled from a byte buffer by shifts and ors, read by lanes n
@@ -766,12 +766,23 @@ def _range(e, k):
     return None
 
 
-def _nibble(e, k):
-    """An expression whose low 4 bits equal i32 e, when e lies in [0, 15] (e & 15 itself gives its operand)."""
-    if isinstance(e, ir.Bin) and e.op == "and" and isinstance(e.b, ir.Const) and e.b.value == 15:
-        return e.a
+_CONST_OPS = {"add": lambda v, c: v + c, "sub": lambda v, c: v - c, "mul": lambda v, c: v * c,
+              "shl": lambda v, c: v << c, "and": lambda v, c: v & c, "or": lambda v, c: v | c, "xor": lambda v, c: v ^ c}
+
+
+def _table(e, k):
+    """(x, [e for x & 15 = 0..15]) when i32 e is a function of x's low 4 bits alone -- constant operations
+    on x & m (m < 16), or on a value known to lie in [0, 15] -- else None."""
+    if isinstance(e, ir.Bin) and e.op == "and" and isinstance(e.b, ir.Const) and 0 <= e.b.value <= 15:
+        return e.a, [i & e.b.value for i in range(16)]
     r = _range(e, k)
-    return e if r and 0 <= r[0] and r[1] <= 15 else None
+    if r and 0 <= r[0] and r[1] <= 15:
+        return e, list(range(16))
+    if isinstance(e, ir.Bin) and e.op in _CONST_OPS and isinstance(e.b, ir.Const):
+        inner = _table(e.a, k)
+        if inner:
+            return inner[0], [_CONST_OPS[e.op](v, e.b.value) for v in inner[1]]
+    return None
 
 
 def _index_terms(e):
