@@ -106,6 +106,7 @@ class KernelLowering:
         self.env = {name: a[nb + i] for i, name in enumerate(kernel.scalars)}
         self.mutable = {}  # Local name -> alloca
         self.memo = {}  # IR node id -> VVal within one vector body (a block's bytes are loaded once)
+        self.loaded = _loaded_buffers(kernel.body)  # stores to other buffers keep what memo holds
         self.prefetching = True  # off in the iterations of an unrolled reduce whose loads share a cache line
         self.module = module
 
@@ -580,15 +581,19 @@ class KernelLowering:
         jam = JAM if any(isinstance(st, ir.Let) and self.lane_reduce(st.value) for st in s.body) \
             and isinstance(ext, L.Constant) and ext.constant % (JAM * self.W) == 0 else 1
 
+        memos = []  # per vector of lanes: what its statements have evaluated, shared by the later ones
+
         def each(venvs, fn):
-            for venv in venvs:
-                self.memo = {}
+            for u, venv in enumerate(venvs):
+                self.memo = memos[u]
                 fn(venv)
+                memos[u] = self.memo
             self.memo = {}
 
         def vbody(i):
             venvs = [{s.var: VVal("lin", self.b.add(start, self.b.add(i, L.Constant(I32, u * self.W))), 1)}
                      for u in range(jam)]
+            memos[:] = [{} for _ in venvs]
             j = 0
             while j < len(s.body):
                 st = s.body[j]
@@ -615,12 +620,20 @@ class KernelLowering:
 
     def vector_store(self, st, venv, mask=None):
         """A store in a vector body; with a lane mask, only the lanes whose mask bit is set store."""
-        self.memo = {}  # a store may change what a later load reads
+        if st.buf in self.loaded:
+            self.memo = {}  # a store may change what a later load reads
         parts, val = [self.vexpr(t, venv) for t in _index_terms(st.index)], self.vexpr(st.value, venv)
         dt = self.k.buffers[st.buf].dtype
-        if mask is None and all(p.kind != "v" for p in parts) and sum(p.stride for p in parts) == 1:
+        if all(p.kind != "v" for p in parts) and sum(p.stride for p in parts) == 1:
             v = self.to_storage(dt, self.to_vec(val, st.value.dtype))
-            self.b.store(v, self.element(st.buf, [p.val for p in parts]), align=1)
+            ptr = self.element(st.buf, [p.val for p in parts])
+            if mask is None:
+                self.b.store(v, ptr, align=1)
+            else:
+                name = f"llvm.masked.store.v{self.W}{v.type.element.intrinsic_name}.p0"
+                fn = self.module.globals.get(name) or L.Function(
+                    self.module, L.FunctionType(VOID, [v.type, PTR, I32, mask.type]), name=name)
+                self.b.call(fn, [v, ptr, L.Constant(I32, 1), mask])
             return
         idx = self.vexpr(st.index, venv)
         iv, vv = self.to_vec(idx, "i32"), self.to_vec(val, st.value.dtype)
@@ -631,7 +644,8 @@ class KernelLowering:
                 put()
             else:
                 self.if_then(self.b.extract_element(mask, c), put)
-        self.memo = {}
+        if st.buf in self.loaded:
+            self.memo = {}
 
     def sibling_lane_reduces(self, body, i):
         """body[i] (a Let of a lane reduce) and the Lets after it that reduce over the same loop, independently:
@@ -783,6 +797,30 @@ def _table(e, k):
         if inner:
             return inner[0], [_CONST_OPS[e.op](v, e.b.value) for v in inner[1]]
     return None
+
+
+def _loaded_buffers(body):
+    """Names of the buffers that some expression of the statements reads."""
+    out = set()
+
+    def ex(e):
+        if isinstance(e, ir.Load):
+            out.add(e.buf)
+        if isinstance(e, ir.Reduce):
+            ex(e.extent), ex(e.value)
+        for c in _children(e):
+            ex(c)
+
+    def st(s):
+        for name in ("index", "value", "init", "cond", "start", "extent"):
+            if isinstance(getattr(s, name, None), ir.Expr):
+                ex(getattr(s, name))
+        for name in ("body", "then", "orelse"):
+            for t in getattr(s, name, None) or []:
+                st(t)
+    for s in body:
+        st(s)
+    return out
 
 
 def _index_terms(e):
