@@ -7,8 +7,8 @@ pairs that lane yields -- written so that lanes read contiguous bytes, which is 
 on every backend. Dot products (`row_dot`) and dequantization (`dequant_kernel`) are both derived from
 `terms`, so a new format added here works everywhere, with no plugin change.
 
-At load, the ggml 4- and 6-bit formats are repacked (`repack`) into *row-interleaved* layouts of the same
-values (`Interleaved`: R4, R4K, R6): ROWS rows stored together, each field of a block holding the rows' bytes side by
+At load, the ggml 8-, 4- and 6-bit formats are repacked (`repack`) into *row-interleaved* layouts of the same
+values (`Interleaved`: R8, R4, R4K, R6): ROWS rows stored together, each field of a block holding the rows' bytes side by
 side, so that a vector whose lanes are rows reads every field -- scales as well as quants -- with one
 contiguous load and a dot product keeps each row's sum in its own lane (no horizontal sum per block, no scale
 broadcast). Their dots factor the scales out of each block's sum (d * sum q x + m * sum x), reading the
@@ -223,6 +223,22 @@ class R4K(Interleaved):
         return out
 
 
+class R8(Interleaved):
+    """Q8_0's blocks of 32: [d f16][32 bytes of int8] per row; value = d * q."""
+    def lane_dot(self, k, buf, rg, r, cols, x, xsum):
+        nb = cols // 32
+
+        def block(b):
+            at = self.at(rg, b, nb, r)
+            step = lambda j: F(_i8(k.load(buf, at(2, 1) + j * ROWS))) * x(b * 32 + j)
+            return _half(k, buf, at(0, 2)) * ir.reduce("add", "j", 32, step, "unroll")
+        return ir.reduce("add", "b", nb, block)
+
+    def values(self, k, buf, rg, r, cols, b):
+        at = self.at(rg, b, cols // 32, r)
+        return [(j, _half(k, buf, at(0, 2)) * F(_i8(k.load(buf, at(2 + j, 1))))) for j in range(32)]
+
+
 class R6(Interleaved):
     """Q6_K's super-blocks of 256: [d f16][16 scales i8][16 x 8 bytes of low nibbles][16 x 4 bytes of high bit
     pairs] per row. Element e of sub-block s (16 elements) keeps its low 4 bits in nibble e // 8 of byte e % 8
@@ -274,6 +290,7 @@ FORMATS = {
 
 
 PACKED = {
+    "R8": R8("R8", 32, 34, "u8", 1, ROWS),
     "R4": R4("R4", 32, 20, "u8", 1, ROWS),
     "R4K": R4K("R4K", 256, 148, "u8", 1, ROWS),
     "R6": R6("R6", 256, 210, "u8", 1, ROWS),
@@ -296,6 +313,10 @@ def _interleave(rows, fields, byte_fields):
 
 def _f16_field(v):
     return np.ascontiguousarray(v, "<f2").view(np.uint8).reshape(len(v), 2)
+
+
+def _pack_q8_0(b, rows):
+    return _interleave(rows, [b[:, 0:2]], [b[:, 2:34]])
 
 
 def _pack_q4_0(b, rows):
@@ -328,7 +349,7 @@ def _pack_q6_k(b, rows):
     return _interleave(rows, [b[:, 208:210]], [b[:, 192:208], nibbles, pairs])
 
 
-REPACK = {"Q4_0": ("R4", _pack_q4_0), "Q4_1": ("R4", _pack_q4_1), "Q4_K": ("R4K", _pack_q4_k),
+REPACK = {"Q8_0": ("R8", _pack_q8_0), "Q4_0": ("R4", _pack_q4_0), "Q4_1": ("R4", _pack_q4_1), "Q4_K": ("R4K", _pack_q4_k),
           "Q6_K": ("R6", _pack_q6_k)}
 
 
