@@ -8,8 +8,8 @@ on every backend. Dot products (`row_dot`) and dequantization (`dequant_kernel`)
 `terms`, so a new format added here works everywhere, with no plugin change.
 
 At load, the ggml 8-, 4- and 6-bit formats are repacked (`repack`) into *row-interleaved* layouts of the same
-values (`Interleaved`: R8, R4, R4K, R6): ROWS rows stored together, each field of a block holding the rows' bytes side by
-side, so that a vector whose lanes are rows reads every field -- scales as well as quants -- with one
+values (`Interleaved`: R8, R4, R4K, R6): ROWS rows stored together, each field of a block holding the rows'
+bytes side by side, so that a vector whose lanes are rows reads every field -- scales as well as quants -- with one
 contiguous load and a dot product keeps each row's sum in its own lane (no horizontal sum per block, no scale
 broadcast). Their dots factor the scales out of each block's sum (d * sum q x + m * sum x), reading the
 input's block sums (`ops.block_sums`) for the offsets: a few SIMD instructions per 32 weights, at the
@@ -160,9 +160,8 @@ class Interleaved(Format):
 
 
 def _nibble_dot(k, buf, at, off, x):
-    """sum over the 32 elements of a 4-bit sub-block whose 16 bytes start at field `off` (byte j: element j
-    in the low nibble, j + 16 in the high one) of q * x(element), q unscaled -- in the order the CPU keeps
-    in four chains."""
+    """sum of q * x(element) over the 32 elements of a 4-bit sub-block whose 16 bytes start at field `off`
+    (byte j: element j in the low nibble, j + 16 in the high one), q unscaled."""
     def step(j):
         q = k.load(buf, at(off, 1) + j * ROWS)
         return F(q & 15) * x(j) + F(q >> 4) * x(j + 16)
@@ -307,7 +306,8 @@ def _interleave(rows, fields, byte_fields):
     side, in the order given."""
     def grouped(a):
         return a.reshape(rows // ROWS, ROWS, a.shape[0] // rows, a.shape[1])
-    parts = [grouped(f).transpose(0, 2, 1, 3) for f in fields] + [grouped(f).transpose(0, 2, 3, 1) for f in byte_fields]
+    parts = [grouped(f).transpose(0, 2, 1, 3) for f in fields]
+    parts += [grouped(f).transpose(0, 2, 3, 1) for f in byte_fields]
     return np.concatenate([p.reshape(p.shape[0], p.shape[1], -1) for p in parts], axis=2).reshape(-1)
 
 
@@ -349,8 +349,8 @@ def _pack_q6_k(b, rows):
     return _interleave(rows, [b[:, 208:210]], [b[:, 192:208], nibbles, pairs])
 
 
-REPACK = {"Q8_0": ("R8", _pack_q8_0), "Q4_0": ("R4", _pack_q4_0), "Q4_1": ("R4", _pack_q4_1), "Q4_K": ("R4K", _pack_q4_k),
-          "Q6_K": ("R6", _pack_q6_k)}
+REPACK = {"Q8_0": ("R8", _pack_q8_0), "Q4_0": ("R4", _pack_q4_0), "Q4_1": ("R4", _pack_q4_1),
+          "Q4_K": ("R4K", _pack_q4_k), "Q6_K": ("R6", _pack_q6_k)}
 
 
 def packed_format(fmt: Format, rows: int) -> Format:

@@ -7,7 +7,10 @@ allow it (affine indices become contiguous vector loads/stores, others gathers/s
 is a vector reduce of the same op keeps one vector accumulator across both loops (a quantized dot product then
 does one horizontal sum per row, not per block), each summand accumulating with its own multiply-add. Inside a
 vector loop, reduces over a uniform loop run across the lanes (outer-loop vectorization), sibling ones in one
-loop sharing what they load, two vectors of lanes per iteration; stores under a lane-varying `if` are masked.
+loop sharing what they load, two vectors of lanes per iteration, unrolled reduces inside them spread over
+four chains; stores under a lane-varying `if` are masked. What quantized weights need is recognized in the
+IR rather than written per format: a little-endian field assembled from bytes is one wide load, a float of a
+function of 4 bits is one table lookup (vpermps), and addresses keep each index term's offset visible.
 A program module adds `step(ptr bufs, ptr scalars, tid, nth, barrier)` that calls every launch's kernel in
 order with a barrier after each.
 """
