@@ -22,7 +22,7 @@ from jitllm_core import ir
 
 I1, I8, I16, I32, I64 = L.IntType(1), L.IntType(8), L.IntType(16), L.IntType(32), L.IntType(64)
 F32, F16, PTR, VOID = L.FloatType(), L.HalfType(), L.PointerType(), L.VoidType()
-COMPUTE = {"f32": F32, "i32": I32, "bool": I1}
+COMPUTE = {"f32": F32, "i32": I32, "bool": I1, "i64": I64}  # i64: addresses only
 STORAGE = {"f32": F32, "f16": F16, "bf16": I16, "u8": I8, "i8": I8, "i32": I32}
 FM = ("contract",)  # lets LLVM fuse multiply-add; reductions are reassociated only by this lowering
 UNROLL_MAX = 64
@@ -123,7 +123,7 @@ class KernelLowering:
 
     def intrinsic(self, name, ty, nargs=1, ret=None):
         """Declare llvm.<op>.<type> (llvmlite cannot mangle vector types itself)."""
-        mangle = lambda t: f"v{t.count}{t.element.intrinsic_name}" if isinstance(t, L.VectorType) else t.intrinsic_name
+        mangle = lambda t: _mangle(t) if isinstance(t, L.VectorType) else t.intrinsic_name
         full = f"{name}.{mangle(ret)}.{mangle(ty)}" if ret else f"{name}.{mangle(ty)}"
         fn = self.module.globals.get(full)
         return fn or L.Function(self.module, L.FunctionType(ret or ty, [ty] * nargs), name=full)
@@ -483,11 +483,14 @@ class KernelLowering:
                     b.call(self.prefetch(), [ahead, L.Constant(I32, 0), L.Constant(I32, 3), L.Constant(I32, 1)])
                 v = b.load(ptr, typ=vt, align=1)
                 return VVal("v", self.from_storage(dt, v))
-            iv = self.to_vec(self.vexpr(e.index, venv), "i32")
-            out = L.Constant(self.vec_type(e.dtype), L.Undefined)
-            for j in range(self.W):
-                out = b.insert_element(out, self.load(e.buf, b.extract_element(iv, L.Constant(I32, j))), L.Constant(I32, j))
-            return VVal("v", out)
+            vt = L.VectorType(STORAGE[dt], self.W)
+            name = f"llvm.masked.gather.{_mangle(vt)}.v{self.W}p0"
+            vp = L.VectorType(PTR, self.W)
+            fn = self.module.globals.get(name) or L.Function(
+                self.module, L.FunctionType(vt, [vp, I32, L.VectorType(I1, self.W), vt]), name=name)
+            ptrs = self.lane_pointers(e.buf, self.vexpr(e.index, venv))
+            all_lanes = L.Constant(L.VectorType(I1, self.W), [1] * self.W)
+            return VVal("v", self.from_storage(dt, b.call(fn, [ptrs, L.Constant(I32, 1), all_lanes, L.Constant(vt, None)])))
         if isinstance(e, ir.Reduce):
             return self.unrolled_reduce(e, venv)
         if isinstance(e, ir.Bin):
@@ -549,6 +552,14 @@ class KernelLowering:
         while len(chains) > 1:
             chains = [self.combine(e.op, a, b, dt) for a, b in zip(chains[::2], chains[1::2])] + chains[len(chains) // 2 * 2:]
         return VVal("v", chains[0])
+
+    def lane_pointers(self, buf, idx):
+        """The address of element idx of buf in each lane (for a gather or a scatter)."""
+        b, W = self.b, self.W
+        size = L.Constant(L.VectorType(I64, W), [ir.STORAGE_DTYPES[self.k.buffers[buf].dtype]] * W)
+        base = self.to_vec(VVal("u", b.ptrtoint(self.ptrs[buf], I64)), "i64")
+        offset = b.mul(b.sext(self.to_vec(idx, "i32"), L.VectorType(I64, W)), size)
+        return b.inttoptr(b.add(base, offset), L.VectorType(PTR, W))
 
     def lookup16(self, table, v):
         """table[v & 15] for 16 lanes in one instruction (AVX-512 vpermps reads only each index's low 4 bits):
@@ -638,15 +649,15 @@ class KernelLowering:
                     self.module, L.FunctionType(VOID, [v.type, PTR, I32, mask.type]), name=name)
                 self.b.call(fn, [v, ptr, L.Constant(I32, 1), mask])
             return
-        idx = self.vexpr(st.index, venv)
-        iv, vv = self.to_vec(idx, "i32"), self.to_vec(val, st.value.dtype)
-        for j in range(self.W):
-            c = L.Constant(I32, j)
-            put = lambda: self.store(st.buf, self.b.extract_element(iv, c), self.b.extract_element(vv, c))
-            if mask is None:
-                put()
-            else:
-                self.if_then(self.b.extract_element(mask, c), put)
+        # any other index: one masked scatter (lanes in order, so a later lane's store wins, as in a loop)
+        W = self.W
+        v = self.to_storage(dt, self.to_vec(val, st.value.dtype))
+        mask = mask if mask is not None else L.Constant(L.VectorType(I1, W), [1] * W)
+        vp = L.VectorType(PTR, W)
+        name = f"llvm.masked.scatter.{_mangle(v.type)}.v{W}p0"
+        fn = self.module.globals.get(name) or L.Function(
+            self.module, L.FunctionType(VOID, [v.type, vp, I32, mask.type]), name=name)
+        self.b.call(fn, [v, self.lane_pointers(st.buf, self.vexpr(st.index, venv)), L.Constant(I32, 1), mask])
         if st.buf in self.loaded:
             self.memo = {}
 
@@ -766,6 +777,10 @@ def _vector_parts(e):
         else:
             return None
     return parts
+
+
+def _mangle(t):
+    return f"v{t.count}{t.element.intrinsic_name}"
 
 
 def _range(e, k):

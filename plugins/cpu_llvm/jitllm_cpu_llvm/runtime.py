@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from pathlib import Path
 
 import llvmlite
 import llvmlite.binding as llvm
@@ -22,6 +23,7 @@ from . import lower
 
 STEP = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p)
 _init_lock = threading.Lock()
+LOWERING = digest(Path(lower.__file__).read_bytes())  # compiled code is as new as the lowering that made it
 _passes = None
 
 
@@ -48,28 +50,33 @@ def simd_width():
 
 
 class Compiled:
-    """A JIT-compiled program module; the object code is cached on disk by the module's text."""
+    """A JIT-compiled program module, its object code cached on disk under `key` (what the module is made of:
+    kernels, bindings, this lowering's source, the CPU), so that a warm start neither lowers nor compiles."""
 
-    def __init__(self, text: str):
-        key = digest(text, llvm.get_process_triple(), llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten(),
-                     llvmlite.__version__)
+    def __init__(self, key: str, text_fn):
         self.path = cache_dir("cpu") / f"{key}.o"
         self.cached = self.path.exists()
-        mod = llvm.parse_assembly(text)
-        mod.link_in(llvm.parse_assembly(lower.BARRIER_IR))
-        mod.verify()
-        if not self.cached:
+        self.step = self._engine(llvm.parse_assembly("")) if self.cached else None  # code from the cache
+        if not self.step:  # not cached (or unreadable): lower and compile
+            self.cached = False
+            mod = llvm.parse_assembly(text_fn())
+            mod.link_in(llvm.parse_assembly(lower.BARRIER_IR))
+            mod.verify()
             optimize(mod)
+            self.step = self._engine(mod)
+
+    def _engine(self, mod):
         self.engine = llvm.create_mcjit_compiler(mod, target_machine())
         self.engine.set_object_cache(self._save, self._load)
         self.engine.finalize_object()
-        self.step = STEP(self.engine.get_function_address("jl_step"))
+        address = self.engine.get_function_address("jl_step")
+        return STEP(address) if address else None
 
     def _save(self, _mod, buf):
         write_atomic(self.path, buf)
 
     def _load(self, _mod):
-        return self.path.read_bytes() if self.path.exists() else None
+        return self.path.read_bytes() if self.cached else None
 
 
 class Workers:
@@ -124,8 +131,10 @@ class CpuProgram(Program):
         for i in barriers_needed(launches):
             slots[i][3] = True
         kernels = [ln.kernel for ln in launches]
-        text = str(lower.program_module(slots, kernels, simd_width(), llvm.get_process_triple()))
-        self.compiled = device.compile_text(text)
+        key = digest(LOWERING, slots, simd_width(), llvm.get_process_triple(), llvm.get_host_cpu_name(),
+                     llvm.get_host_cpu_features().flatten(), llvmlite.__version__)
+        self.compiled = device.compile(key, lambda: str(lower.program_module(slots, kernels, simd_width(),
+                                                                             llvm.get_process_triple())))
         self.scalar_slots = sslot
         self.keep = [b for _, b in bslot.values()]
         self.bufs = (ctypes.c_void_p * max(1, len(bslot)))(*[b.addr for _, b in sorted(bslot.values(), key=lambda t: t[0])])
@@ -161,7 +170,7 @@ class CpuDevice(Device):
         self.caps = Caps(memory_bytes=memory_bytes, bandwidth_Bps=0.0, subgroup_size=simd_width(), fp16=True,
                          int8=True, host_visible=True, extra={"threads": threads, "cpu": llvm.get_host_cpu_name()})
         self.used = 0
-        self.compiled = {}  # module text digest -> Compiled, kept for the process's life (see Workers)
+        self.compiled = {}  # program key -> Compiled, kept for the process's life (see Workers)
         self._lock = threading.Lock()
         self.configure(threads=threads)
 
@@ -199,12 +208,11 @@ class CpuDevice(Device):
     def program(self, launches):
         return CpuProgram(self, launches)
 
-    def compile_text(self, text):
-        key = digest(text)
+    def compile(self, key, text_fn):
         if key in self.compiled:
             return self.compiled[key]
         try:
-            self.compiled[key] = Compiled(text)
+            self.compiled[key] = Compiled(key, text_fn)
             return self.compiled[key]
         except RuntimeError as e:  # llvmlite reports parse/verify/codegen failures as RuntimeError
             raise BackendError(f"{self.name}: LLVM compile failed: {e}") from None
