@@ -23,7 +23,7 @@ from . import lower
 
 STEP = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p)
 _init_lock = threading.Lock()
-LOWERING = digest(Path(lower.__file__).read_bytes())  # compiled code is as new as the lowering that made it
+LOWERING = digest(Path(lower.__file__).read_bytes(), Path(__file__).read_bytes())  # code is as new as its compiler
 _passes = None
 
 
