@@ -82,6 +82,31 @@ def word_bits(n=12):
     return k
 
 
+def lane_idioms(groups=3, n=16):
+    """What interleaved quantized weights read inside a vector loop whose lanes are rows: 2- and 4-byte fields
+    of a byte buffer at a lane stride of their size, floats of functions of 4 bits, an unrolled reduce inside
+    a lane reduce, and a strided (scattered) masked store."""
+    k = ir.Kernel("lane_idioms")
+    k.buffer("h16", "u8", groups * n * 2), k.buffer("w32", "u8", groups * n * 4), k.buffer("q", "u8", groups * n * 8)
+    k.buffer("x", "f32", 8), k.buffer("o", "f32", groups * n * 4, True)
+    with k.parallel("g", groups) as g:
+        with k.loop("l", n, "vector") as l:
+            r = g * n + l
+            h = ir.f16bits(k.load("h16", r * 2) | (k.load("h16", r * 2 + 1) << 8))
+            w = k.load("w32", r * 4) | (k.load("w32", r * 4 + 1) << 8) | (k.load("w32", r * 4 + 2) << 16)
+            w = ir.f32bits(w | (k.load("w32", r * 4 + 3) << 24))
+
+            def step(j):
+                b = k.load("q", (g * 8 + j) * n + l)
+                return (F((b & 15) - 32) + F(((b >> 2) & 3) << 4) + F(b >> 4) * F((b & 7) * 3 + 1)) * k.load("x", j)
+            dot = k.let("dot", ir.reduce("add", "s", 2, lambda s: h * ir.reduce("add", "j", 8, step, "unroll")
+                                         + w * F(s)))
+            k.store("o", r * 4, dot)
+            with k.if_(k.load("x", l % 8) > 0.0):
+                k.store("o", (groups * n - 1 - r) * 4 + 1, w - h)   # scattered, under a lane mask
+    return k
+
+
 def reductions(rows=5, cols=45):
     k = ir.Kernel("reductions")
     k.buffer("x", "f32", rows * cols), k.buffer("o", "f32", rows * 8, True)
@@ -185,6 +210,7 @@ CASES = {
     "storage_types": (storage_types, {}),
     "half_bits": (half_bits, {}),
     "word_bits": (word_bits, {}),
+    "lane_idioms": (lane_idioms, {}),
     "reductions": (reductions, {"n": 13}),
     "long_reduction": (long_reduction, {}),
     "vector_loops": (vector_loops, {}),
@@ -208,4 +234,7 @@ def inputs_for(k: ir.Kernel, seed=0):
                                     np.uint8).copy()
     if k.name == "word_bits":
         bufs["raw"] = rng.standard_normal(k.buffers["raw"].size // 4).astype(np.float32).view(np.uint8).copy()
+    if k.name == "lane_idioms":
+        bufs["h16"] = rng.standard_normal(k.buffers["h16"].size // 2).astype(np.float16).view(np.uint8).copy()
+        bufs["w32"] = rng.standard_normal(k.buffers["w32"].size // 4).astype(np.float32).view(np.uint8).copy()
     return bufs

@@ -878,12 +878,28 @@ def _byte_field(e, k):
 
 def _offset(idx, base):
     """c when idx is base + c (a chain of constant additions), else None."""
-    if idx is base:
+    if _same(idx, base):
         return 0
     if isinstance(idx, ir.Bin) and idx.op == "add" and isinstance(idx.b, ir.Const):
         inner = _offset(idx.a, base)
         return None if inner is None else inner + idx.b.value
     return None
+
+
+def _same(a, b):
+    """Whether two expressions are the same tree (nodes are compared by identity otherwise)."""
+    if a is b:
+        return True
+    if type(a) is not type(b) or a.dtype != b.dtype:
+        return False
+    if isinstance(a, ir.Const):
+        return a.value == b.value
+    if isinstance(a, ir.Var):
+        return a.name == b.name
+    if isinstance(a, (ir.Bin, ir.Un)) and a.op != b.op or isinstance(a, ir.Load) and a.buf != b.buf:
+        return False
+    ca, cb = _children(a), _children(b)
+    return bool(ca) and len(ca) == len(cb) and all(_same(x, y) for x, y in zip(ca, cb))
 
 
 def _var_names(e):
