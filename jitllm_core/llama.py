@@ -17,7 +17,7 @@ import numpy as np
 from . import ir, ops
 from .cache import cache_dir, digest, write_atomic
 from .errors import ModelFileError
-from .quant import ROWS, Interleaved, dequant_kernel, get_format, packed_format, repack
+from .quant import ROWS, dequant_kernel, get_format, packed_format, repack
 
 
 @dataclass
@@ -309,7 +309,7 @@ class Llama:
         bufs = {"y": f"a:{y}", **({"b": f"w:{bias}"} if bias else {})}
         scalars = {} if logits else {"t0": "zero"}
         if not prefill:
-            sums = {"xs": "a:xs"} if isinstance(fmt, Interleaved) and fmt.sums else {}
+            sums = {"xs": "a:xs"} if fmt.sums else {}
             return [LaunchTemplate(ops.matmul(fmt, rows, cols, self.T, accumulate=acc, bias=bias is not None),
                                    {"w": f"w:{name}", "x": f"a:{x}", **bufs, **sums}, scalars)]
         chunk, out = _chunk_rows(rows, cols), []
@@ -318,7 +318,7 @@ class Llama:
             self.constants.update({f"row{r0}": r0} if chunk else {})
             out += [LaunchTemplate(dequant_kernel(fmt, rows, cols, chunk), {"w": f"w:{name}", "out": "a:wdq"}, at),
                     LaunchTemplate(ops.gemm(rows, cols, self.T, accumulate=acc, bias=bias is not None, chunk=chunk,
-                                            il=ROWS if isinstance(fmt, Interleaved) else 1),
+                                            il=fmt.interleave),
                                    {"w": "a:wdq", "xt": "a:xt", **bufs}, {**scalars, **at})]
         return out
 
@@ -326,10 +326,10 @@ class Llama:
         """For decode, the launch that writes activation x's block sums into `xs`, when a matmul of weights
         `names` (of `unit`) reads them."""
         shapes = self.weight_shapes(unit)
-        fmts = [self.fmt(n, shapes[n][0]) for n in names]
-        if prefill or not any(isinstance(f, Interleaved) and f.sums for f in fmts):
+        spans = {self.fmt(n, shapes[n][0]).sums for n in names} - {0}
+        if prefill or not spans:
             return []
-        span, = {f.sums for f in fmts if isinstance(f, Interleaved) and f.sums}
+        span, = spans
         return [LaunchTemplate(ops.block_sums(cols, self.T, span), {"x": f"a:{x}", "xs": "a:xs"})]
 
     def _transposed(self, x, cols, prefill):

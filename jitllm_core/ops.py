@@ -61,9 +61,8 @@ def matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=Fal
     Interleaved formats with offsets also read the input's block sums `xs` (`block_sums`)."""
     k = ir.Kernel(f"matmul_{fmt.name}_{rows}x{cols}_T{T}{'_acc' if accumulate else ''}{'_bias' if bias else ''}")
     k.buffer("w", fmt.storage, rows * fmt.row_units(cols)), k.buffer("x", "f32", T * cols)
-    sums = isinstance(fmt, Interleaved) and fmt.sums
-    if sums:
-        k.buffer("xs", "f32", T * (cols // sums))
+    if fmt.sums:
+        k.buffer("xs", "f32", T * (cols // fmt.sums))
     if bias:
         k.buffer("b", "f32", rows)
     k.buffer("y", "f32", T * rows, True)
@@ -79,7 +78,7 @@ def matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=Fal
         with k.parallel("rg", rows // ROWS) as rg:
             with k.loop("t", n - t0, "serial", start=t0) as t:
                 with k.loop("ri", ROWS, "vector") as ri:
-                    xsum = (lambda s: k.load("xs", t * (cols // sums) + s)) if sums else None
+                    xsum = (lambda s: k.load("xs", t * (cols // fmt.sums) + s)) if fmt.sums else None
                     put(t, rg * ROWS + ri, k.let("dot", fmt.lane_dot(k, "w", rg, ri, cols,
                                                                     lambda c: k.load("x", t * cols + c), xsum)))
         return k.finish()

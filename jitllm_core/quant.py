@@ -48,6 +48,8 @@ class Format:
     storage: str      # buffer dtype
     groups: int       # vector groups per block
     lanes: int        # lanes per group
+    sums = 0          # span of the input's block sums a dot reads (interleaved formats with offsets), 0: none
+    interleave = 1    # rows stored together (Interleaved: ROWS)
 
     def row_units(self, cols):
         return cols // self.block * self.unit
@@ -143,19 +145,29 @@ class Interleaved(Format):
     """ROWS rows stored together, block by block. A block is a list of fields, each `size` bytes per row at
     offset `off` (in bytes per row); field (off, size) of row r lies at byte off * ROWS + r * size of the
     block's group, so that lanes that are rows load it contiguously. Row counts must be multiples of ROWS.
-    `lane_dot` is the dot product of row `r` of group `rg` (r a vector lane), `values` a block's elements;
-    `sums` is the span of the input's block sums the dot reads (its offsets factored out), 0 for none."""
-    sums = 0
+    A format gives, for one block of one row (`at`: its fields' byte indices), `block_dot` -- its dot product
+    with x(element of the block), reading xsum(s), the input's sum over the block's s-th span of `sums`
+    elements, when `sums` -- and `block_values`, its elements."""
+    interleave = ROWS
 
     def at(self, rg, b, nb, r):
         """field (off, size) of row r of block b of row group rg -> its byte index"""
         return lambda off, size: (rg * nb + b) * (self.unit * ROWS) + off * ROWS + r * size
 
     def lane_dot(self, k, buf, rg, r, cols, x, xsum):
-        raise NotImplementedError
+        """Row r (a vector lane) of row group rg dotted with x(column)."""
+        nb, spans = cols // self.block, self.block // max(self.sums, 1)
+        return ir.reduce("add", "b", nb, lambda b: self.block_dot(
+            k, buf, self.at(rg, b, nb, r), lambda e: x(b * self.block + e), xsum and (lambda s: xsum(b * spans + s))))
 
     def values(self, k, buf, rg, r, cols, b):
         """[(element of the block, value)] of row r of group rg, block b"""
+        return self.block_values(k, buf, self.at(rg, b, cols // self.block, r))
+
+    def block_dot(self, k, buf, at, x, xsum):
+        raise NotImplementedError
+
+    def block_values(self, k, buf, at):
         raise NotImplementedError
 
 
@@ -176,65 +188,46 @@ def _nibbles(k, buf, at, off):
     return out
 
 
-class R4(Interleaved):
+class Affine4(Interleaved):
+    """4-bit sub-blocks of 32 (nibble bytes as `_nibble_dot` reads them), each value = scale * q + offset."""
+    sums = 32
+
+    def subs(self, k, buf, at):
+        """[(scale, offset, field of the 16 nibble bytes)] of the block's sub-blocks"""
+        raise NotImplementedError
+
+    def block_dot(self, k, buf, at, x, xsum):
+        parts = [scale * _nibble_dot(k, buf, at, off, lambda j, s=s: x(32 * s + j)) + offset * xsum(s)
+                 for s, (scale, offset, off) in enumerate(self.subs(k, buf, at))]
+        return sum(parts[1:], parts[0])
+
+    def block_values(self, k, buf, at):
+        return [(32 * s + e, scale * q + offset) for s, (scale, offset, off) in enumerate(self.subs(k, buf, at))
+                for e, q in _nibbles(k, buf, at, off)]
+
+
+class R4(Affine4):
     """Blocks of 32 (Q4_0, Q4_1): [d f16][m f16][16 bytes of nibbles] per row; value = d * q + m."""
-    sums = 32
-
-    def lane_dot(self, k, buf, rg, r, cols, x, xsum):
-        nb = cols // 32
-
-        def block(b):
-            at = self.at(rg, b, nb, r)
-            d, m = _half(k, buf, at(0, 2)), _half(k, buf, at(2, 2))
-            return d * _nibble_dot(k, buf, at, 4, lambda j: x(b * 32 + j)) + m * xsum(b)
-        return ir.reduce("add", "b", nb, block)
-
-    def values(self, k, buf, rg, r, cols, b):
-        at = self.at(rg, b, cols // 32, r)
-        d, m = _half(k, buf, at(0, 2)), _half(k, buf, at(2, 2))
-        return [(e, d * q + m) for e, q in _nibbles(k, buf, at, 4)]
+    def subs(self, k, buf, at):
+        return [(_half(k, buf, at(0, 2)), _half(k, buf, at(2, 2)), 4)]
 
 
-class R4K(Interleaved):
+class R4K(Affine4):
     """Q4_K's super-blocks of 256: [d f16][dmin f16][8 scales u8][8 mins u8][8 x 16 bytes of nibbles] per
-    row; sub-block s's value = d * scale_s * q - dmin * min_s, its 16 bytes laid out as R4's."""
-    sums = 32
-
-    def lane_dot(self, k, buf, rg, r, cols, x, xsum):
-        nb = cols // 256
-
-        def block(b):
-            at = self.at(rg, b, nb, r)
-            d, dmin = _half(k, buf, at(0, 2)), _half(k, buf, at(2, 2))
-            parts = [(d * F(k.load(buf, at(4 + s, 1)))) * _nibble_dot(k, buf, at, 20 + 16 * s,
-                                                                        lambda j, s=s: x(b * 256 + s * 32 + j))
-                     - (dmin * F(k.load(buf, at(12 + s, 1)))) * xsum(b * 8 + s) for s in range(8)]
-            return sum(parts[1:], parts[0])
-        return ir.reduce("add", "b", nb, block)
-
-    def values(self, k, buf, rg, r, cols, b):
-        at = self.at(rg, b, cols // 256, r)
+    row; sub-block s's value = d * scale_s * q - dmin * min_s."""
+    def subs(self, k, buf, at):
         d, dmin = _half(k, buf, at(0, 2)), _half(k, buf, at(2, 2))
-        out = []
-        for s in range(8):
-            sc, mn = d * F(k.load(buf, at(4 + s, 1))), dmin * F(k.load(buf, at(12 + s, 1)))
-            out += [(s * 32 + e, sc * q - mn) for e, q in _nibbles(k, buf, at, 20 + 16 * s)]
-        return out
+        return [(d * F(k.load(buf, at(4 + s, 1))), -(dmin * F(k.load(buf, at(12 + s, 1)))), 20 + 16 * s)
+                for s in range(8)]
 
 
 class R8(Interleaved):
     """Q8_0's blocks of 32: [d f16][32 bytes of int8] per row; value = d * q."""
-    def lane_dot(self, k, buf, rg, r, cols, x, xsum):
-        nb = cols // 32
+    def block_dot(self, k, buf, at, x, xsum):
+        step = lambda j: F(_i8(k.load(buf, at(2, 1) + j * ROWS))) * x(j)
+        return _half(k, buf, at(0, 2)) * ir.reduce("add", "j", 32, step, "unroll")
 
-        def block(b):
-            at = self.at(rg, b, nb, r)
-            step = lambda j: F(_i8(k.load(buf, at(2, 1) + j * ROWS))) * x(b * 32 + j)
-            return _half(k, buf, at(0, 2)) * ir.reduce("add", "j", 32, step, "unroll")
-        return ir.reduce("add", "b", nb, block)
-
-    def values(self, k, buf, rg, r, cols, b):
-        at = self.at(rg, b, cols // 32, r)
+    def block_values(self, k, buf, at):
         return [(j, _half(k, buf, at(0, 2)) * F(_i8(k.load(buf, at(2 + j, 1))))) for j in range(32)]
 
 
@@ -255,23 +248,15 @@ class R6(Interleaved):
     def scale(self, k, buf, at, s):
         return _half(k, buf, at(0, 2)) * F(_i8(k.load(buf, at(2 + s, 1))))
 
-    def lane_dot(self, k, buf, rg, r, cols, x, xsum):
-        nb = cols // 256
+    def block_dot(self, k, buf, at, x, xsum):
+        def step(j, s):
+            ts = [F(lo) * x(s * 16 + e) + F(hi) * x(s * 16 + e) for e, lo, hi in self.parts(k, buf, at, s, j)]
+            return sum(ts[1:], ts[0])
+        subs = [self.scale(k, buf, at, s) * ir.reduce("add", "j", 4, lambda j, s=s: step(j, s), "unroll")
+                for s in range(16)]
+        return sum(subs[1:], subs[0])
 
-        def block(b):
-            at = self.at(rg, b, nb, r)
-
-            def step(j, s):
-                ts = [F(lo) * x(b * 256 + s * 16 + e) + F(hi) * x(b * 256 + s * 16 + e)
-                      for e, lo, hi in self.parts(k, buf, at, s, j)]
-                return sum(ts[1:], ts[0])
-            subs = [self.scale(k, buf, at, s) * ir.reduce("add", "j", 4, lambda j, s=s: step(j, s), "unroll")
-                    for s in range(16)]
-            return sum(subs[1:], subs[0])
-        return ir.reduce("add", "b", nb, block)
-
-    def values(self, k, buf, rg, r, cols, b):
-        at = self.at(rg, b, cols // 256, r)
+    def block_values(self, k, buf, at):
         return [(s * 16 + e, self.scale(k, buf, at, s) * F(lo + hi)) for s in range(16) for j in range(4)
                 for e, lo, hi in self.parts(k, buf, at, s, j)]
 
