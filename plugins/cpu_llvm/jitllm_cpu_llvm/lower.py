@@ -117,16 +117,17 @@ class KernelLowering:
     def alloca(self, ty):
         return self.alloca_b.alloca(ty)
 
+    def declare(self, name, ret, args):
+        """The module's declaration of function `name`, added on first use."""
+        return self.module.globals.get(name) or L.Function(self.module, L.FunctionType(ret, args), name=name)
+
     def prefetch(self):
-        fn = self.module.globals.get("llvm.prefetch.p0")
-        return fn or L.Function(self.module, L.FunctionType(VOID, [PTR, I32, I32, I32]), name="llvm.prefetch.p0")
+        return self.declare("llvm.prefetch.p0", VOID, [PTR, I32, I32, I32])
 
     def intrinsic(self, name, ty, nargs=1, ret=None):
         """Declare llvm.<op>.<type> (llvmlite cannot mangle vector types itself)."""
-        mangle = lambda t: _mangle(t) if isinstance(t, L.VectorType) else t.intrinsic_name
-        full = f"{name}.{mangle(ret)}.{mangle(ty)}" if ret else f"{name}.{mangle(ty)}"
-        fn = self.module.globals.get(full)
-        return fn or L.Function(self.module, L.FunctionType(ret or ty, [ty] * nargs), name=full)
+        full = f"{name}.{_mangle(ret)}.{_mangle(ty)}" if ret else f"{name}.{_mangle(ty)}"
+        return self.declare(full, ret or ty, [ty] * nargs)
 
     def loop(self, start, end, body, step=1):
         """for (i = start; i < end; i += step) body(i)"""
@@ -483,14 +484,13 @@ class KernelLowering:
                     b.call(self.prefetch(), [ahead, L.Constant(I32, 0), L.Constant(I32, 3), L.Constant(I32, 1)])
                 v = b.load(ptr, typ=vt, align=1)
                 return VVal("v", self.from_storage(dt, v))
-            vt = L.VectorType(STORAGE[dt], self.W)
-            name = f"llvm.masked.gather.{_mangle(vt)}.v{self.W}p0"
-            vp = L.VectorType(PTR, self.W)
-            fn = self.module.globals.get(name) or L.Function(
-                self.module, L.FunctionType(vt, [vp, I32, L.VectorType(I1, self.W), vt]), name=name)
+            vt, mt = L.VectorType(STORAGE[dt], self.W), L.VectorType(I1, self.W)
+            fn = self.declare(f"llvm.masked.gather.{_mangle(vt)}.v{self.W}p0", vt,
+                              [L.VectorType(PTR, self.W), I32, mt, vt])
             ptrs = self.lane_pointers(e.buf, self.vexpr(e.index, venv))
-            all_lanes = L.Constant(L.VectorType(I1, self.W), [1] * self.W)
-            return VVal("v", self.from_storage(dt, b.call(fn, [ptrs, L.Constant(I32, 1), all_lanes, L.Constant(vt, None)])))
+            all_lanes = L.Constant(mt, [1] * self.W)
+            v = b.call(fn, [ptrs, L.Constant(I32, 1), all_lanes, L.Constant(vt, None)])
+            return VVal("v", self.from_storage(dt, v))
         if isinstance(e, ir.Reduce):
             return self.unrolled_reduce(e, venv)
         if isinstance(e, ir.Bin):
@@ -566,8 +566,7 @@ class KernelLowering:
         a float of a function of 4 bits -- a quantized weight's nibble, with its offset -- costs one shuffle
         instead of masks, shifts, adds and a conversion, and runs on the port the multiply-adds leave free."""
         vt = L.VectorType(F32, 16)
-        name = "llvm.x86.avx512.permvar.sf.512"
-        fn = self.module.globals.get(name) or L.Function(self.module, L.FunctionType(vt, [vt, v.type]), name=name)
+        fn = self.declare("llvm.x86.avx512.permvar.sf.512", vt, [vt, v.type])
         return self.b.call(fn, [L.Constant(vt, [float(t) for t in table]), v])
 
     def field_load(self, field, venv):
@@ -644,19 +643,15 @@ class KernelLowering:
             if mask is None:
                 self.b.store(v, ptr, align=1)
             else:
-                name = f"llvm.masked.store.v{self.W}{v.type.element.intrinsic_name}.p0"
-                fn = self.module.globals.get(name) or L.Function(
-                    self.module, L.FunctionType(VOID, [v.type, PTR, I32, mask.type]), name=name)
+                fn = self.declare(f"llvm.masked.store.{_mangle(v.type)}.p0", VOID, [v.type, PTR, I32, mask.type])
                 self.b.call(fn, [v, ptr, L.Constant(I32, 1), mask])
             return
         # any other index: one masked scatter (lanes in order, so a later lane's store wins, as in a loop)
         W = self.W
         v = self.to_storage(dt, self.to_vec(val, st.value.dtype))
         mask = mask if mask is not None else L.Constant(L.VectorType(I1, W), [1] * W)
-        vp = L.VectorType(PTR, W)
-        name = f"llvm.masked.scatter.{_mangle(v.type)}.v{W}p0"
-        fn = self.module.globals.get(name) or L.Function(
-            self.module, L.FunctionType(VOID, [v.type, vp, I32, mask.type]), name=name)
+        fn = self.declare(f"llvm.masked.scatter.{_mangle(v.type)}.v{W}p0", VOID,
+                          [v.type, L.VectorType(PTR, W), I32, mask.type])
         self.b.call(fn, [v, self.lane_pointers(st.buf, self.vexpr(st.index, venv)), L.Constant(I32, 1), mask])
         if st.buf in self.loaded:
             self.memo = {}
@@ -780,7 +775,8 @@ def _vector_parts(e):
 
 
 def _mangle(t):
-    return f"v{t.count}{t.element.intrinsic_name}"
+    """A type's part of an intrinsic's name (llvmlite mangles scalar types only)."""
+    return f"v{t.count}{t.element.intrinsic_name}" if isinstance(t, L.VectorType) else t.intrinsic_name
 
 
 def _range(e, k):
