@@ -281,6 +281,9 @@ class Kernel:
         self.body: list[Stmt] = []
         self._stack = [self.body]
         self._hash = None
+        # elements of buffer "w" one launch reads, given n_tokens, where that is not the whole buffer (an
+        # embedding's rows, a chunk of a matrix): what profiles count as its weight bytes
+        self.w_read = None
 
     # -- parameters
     def buffer(self, name, dtype, size, write=False) -> str:

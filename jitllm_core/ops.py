@@ -18,6 +18,7 @@ F = ir.f32
 @functools.cache
 def embed(fmt: Format, vocab: int, dim: int, T: int) -> ir.Kernel:
     k = ir.Kernel(f"embed_{fmt.name}_{vocab}x{dim}_T{T}")
+    k.w_read = lambda n_tokens: n_tokens * fmt.row_units(dim)
     k.buffer("tok", "i32", T), k.buffer("w", fmt.storage, vocab * fmt.row_units(dim))
     k.buffer("x", "f32", T * dim, True)
     n = k.scalar("n_tokens")

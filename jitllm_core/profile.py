@@ -39,7 +39,8 @@ def profile_decode(eng, prompt_tokens=32, repeats=5, step_tokens=1):
                         prog = dev.program([Launch(ln.kernel, ln.buffers, ln.scalars)])
                         prog.run(values)
                         w = ln.kernel.buffers.get("w")  # the weights (or their dequantized copy) it reads
-                        nbytes = w.size * STORAGE_DTYPES[w.dtype] if w else 0
+                        read = ln.kernel.w_read(step_tokens) if ln.kernel.w_read else w and w.size
+                        nbytes = read * STORAGE_DTYPES[w.dtype] if w else 0
                         rows.append((u, ln.kernel.name, _median_time(lambda: prog.run(values), repeats), nbytes))
             whole = _median_time(lambda: [(seg.prefill if prefill else seg.program).run(values)
                                           for seg in eng.segments], repeats)

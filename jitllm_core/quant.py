@@ -378,6 +378,7 @@ def dequant_kernel(fmt: Format, rows: int, cols: int, chunk: int = 0) -> ir.Kern
     k.buffer("out", "f32", n * cols, True)
     nb = cols // fmt.block
     row0 = k.scalar("row0") if chunk else 0
+    k.w_read = lambda n_tokens: n * fmt.row_units(cols)
     if isinstance(fmt, Interleaved):
         with k.parallel("gb", n // ROWS * nb) as gb:
             g, b = gb // nb, gb % nb

@@ -93,8 +93,8 @@ def test_token_ids_outside_the_vocabulary_are_refused(engines):
 
 
 def test_profile_times_every_launch_and_counts_weight_bytes(engines):
-    """`jitllm bench --profile`'s numbers: one row per launch of the step, each timed, and the bytes of the
-    matmuls' weights equal to the packed tensors the engine holds."""
+    """`jitllm bench --profile`'s numbers: one row per launch of the step, each timed, the bytes of the
+    matmuls' weights equal to the packed tensors the engine holds, the embedding's one row."""
     from jitllm_core.profile import profile_decode
     eng = engines["f16"]
     rows, whole = profile_decode(eng, prompt_tokens=4, repeats=1)
@@ -104,3 +104,5 @@ def test_profile_times_every_launch_and_counts_weight_bytes(engines):
     want = sum(eng.model.tensor_bytes(t, u) for u in eng.model.units for t, (_, as_f32) in
                eng.model.weight_shapes(u).items() if not as_f32 and u != "embed")
     assert mm_bytes == want
+    embed_bytes, = [b for _, name, _, b in rows if name.startswith("embed")]  # one row of the table per token
+    assert embed_bytes * eng.model.cfg.vocab == eng.model.tensor_bytes("token_embd.weight", "embed")
