@@ -1,0 +1,116 @@
+"""Kernel benchmarks behind docs/benchmarks.md, on the CPU device:
+
+- decode matvecs of each packed layout (one token), weights from memory (copies rotated past the caches) and
+  from cache (one copy repeated): GB/s and G weights/s;
+- prefill pieces of the 1B shape's matrices (32 tokens in a 64-token step): dequantization by chunks, the gemm
+  tile, both in turn;
+- the gemm tile with all its inputs in L1: the core's f32 multiply-add ceiling.
+
+    python benchmarks/kernels.py [--threads N]
+"""
+import argparse
+import time
+
+import numpy as np
+
+from jitllm_core import llama, ops, quant, registry
+from jitllm_core.plugin import Launch
+
+DECODE = [("Q4_1", 1536, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576), ("Q4_K", 8192, 2048),
+          ("Q4_K", 2048, 8192), ("Q6_K", 2048, 8192)]
+PREFILL = [("Q4_K", 8192, 2048), ("Q4_K", 2048, 2048), ("Q6_K", 2048, 8192)]
+HALVES = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [208]}  # f16 fields of a block
+
+
+def packed_tensor(name, rows, cols, rng):
+    """Random blocks of a GGUF format (finite f16 scales), in the layout the engine holds them."""
+    fmt = quant.get_format(name, cols)
+    raw = rng.integers(0, 256, (rows * cols // fmt.block, fmt.unit)).astype(np.uint8)
+    for o in HALVES[name]:
+        raw[:, o:o + 2] = (rng.standard_normal(len(raw)) * 0.01).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return quant.packed_format(fmt, rows), quant.repack(fmt, raw.reshape(-1), rows)
+
+
+def upload(dev, arr):
+    b = dev.alloc(arr.nbytes)
+    dev.upload(b, arr.view(np.uint8))
+    return b
+
+
+def seconds(prog, values, repeats=7):
+    prog.run(values)
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        prog.run(values)
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def decode(dev, rng):
+    print("decode matvec, 1 token           from memory            from cache")
+    for name, rows, cols in DECODE:
+        fmt, w = packed_tensor(name, rows, cols, rng)
+        copies = max(2, int(200e6 // w.nbytes))
+        ws = [upload(dev, w) for _ in range(copies)]
+        x = rng.standard_normal(cols).astype(np.float32)
+        bufs = {"x": upload(dev, x), "xs": upload(dev, x.reshape(-1, 32).sum(1)), "y": dev.alloc(rows * 4)}
+        k = ops.matmul(fmt, rows, cols, 1)
+        launches = [Launch(k, {p: b for p, b in {**bufs, "w": wb}.items() if p in k.buffers}) for wb in ws]
+        values = {"n_tokens": 1, "t0": 0}
+        t_mem = seconds(dev.program(launches), values) / copies
+        t_cache = seconds(dev.program(launches[:1] * 20), values) / 20
+        print(f"{fmt.name:6} {rows:6d} x {cols:5d}   {w.nbytes / t_mem / 1e9:5.1f} GB/s {rows * cols / t_mem / 1e9:5.1f} Gw/s"
+              f"   {rows * cols / t_cache / 1e9:5.1f} Gw/s")
+        for b in ws + list(bufs.values()):
+            dev.free(b)
+
+
+def prefill(dev, rng, T=64, n=32):
+    print(f"\nprefill, {n} tokens     dequantize        gemm              both")
+    for name, rows, cols in PREFILL:
+        fmt, w = packed_tensor(name, rows, cols, rng)
+        chunk = llama._chunk_rows(rows, cols)
+        xt = rng.standard_normal(cols * T).astype(np.float32)
+        wb, wdq, xtb, yb = upload(dev, w), dev.alloc((chunk or rows) * cols * 4), upload(dev, xt), dev.alloc(T * rows * 4)
+        dq, gm = quant.dequant_kernel(fmt, rows, cols, chunk), ops.gemm(rows, cols, T, chunk=chunk, il=fmt.interleave)
+        deq, mul = [], []
+        for r0 in range(0, rows, chunk or rows):
+            at = {"row0": f"row{r0}"} if chunk else {}
+            deq.append(Launch(dq, {"w": wb, "out": wdq}, at))
+            mul.append(Launch(gm, {"w": wdq, "xt": xtb, "y": yb}, at))
+        values = {"n_tokens": n, "t0": 0, **{f"row{r}": r for r in range(0, rows, chunk or rows)}}
+        td, tg, tb = (seconds(dev.program(ls), values, 5) for ls in (deq, mul, [x for p in zip(deq, mul) for x in p]))
+        flop = 2 * rows * cols * n
+        print(f"{fmt.name:4} {rows:5d} x {cols:5d}  {td * 1e3:6.2f} ms {rows * cols / td / 1e9:5.1f} Gw/s"
+              f"  {tg * 1e3:6.2f} ms {flop / tg / 1e9:5.1f} GF/s  {flop / tb / 1e9:5.1f} GF/s")
+        for b in (wb, wdq, xtb, yb):
+            dev.free(b)
+
+
+def ceiling(dev, rng, T=64):
+    print("\ngemm tile with every input in L1 (the f32 multiply-add ceiling)")
+    for rows, cols in ((64, 128), (256, 256)):
+        k = ops.gemm(rows, cols, T, il=16)
+        bufs = {"w": upload(dev, rng.random(rows * cols, np.float32)), "xt": upload(dev, rng.random(cols * T, np.float32)),
+                "y": dev.alloc(T * rows * 4)}
+        t = seconds(dev.program([Launch(k, bufs)] * 200), {"n_tokens": T, "t0": 0}, 5) / 200
+        print(f"{rows} x {cols} weights, {T} tokens: {2 * rows * cols * T / t / 1e9:.1f} GFLOP/s")
+        for b in bufs.values():
+            dev.free(b)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    dev = registry.device("cpu")
+    dev.configure(threads=args.threads)
+    rng = np.random.default_rng(0)
+    decode(dev, rng)
+    prefill(dev, rng)
+    ceiling(dev, rng)
+
+
+if __name__ == "__main__":
+    main()
