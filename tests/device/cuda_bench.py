@@ -1,11 +1,11 @@
 """Short measurements of the CUDA backend on a GPU (run by run_cuda_check.sh): staged copy bandwidth, the memory
-bandwidth of generated kernels (elementwise, a warp-per-row reduction, a decode-shaped quantized matmul) and the
-per-step cost of a program of many launches (one CUDA graph)."""
+bandwidth of generated kernels (elementwise, a warp-per-row reduction) and the per-step cost of a program of many
+launches (one CUDA graph). The model's own kernels are timed by `jitllm bench --profile`."""
 import time
 
 import numpy as np
 
-from jitllm_core import ir, ops, quant
+from jitllm_core import ir
 from jitllm_core.plugin import Launch
 from jitllm_cuda import CudaBackend
 
@@ -44,17 +44,6 @@ with k.parallel("r", rows) as r:
 p = dev.program([Launch(k.finish(), {"x": a, "y": b})])
 s = timed(lambda: p.run({}), 20)
 print(f"row sums (a warp per row)       {4 * rows * cols / s / 1e9:7.1f} GB/s")
-
-for fmt_name, rows, cols in [("Q8_0", 49152, 576), ("Q4_1", 1536, 576), ("Q4_K", 8192, 2048)]:
-    fmt = quant.FORMATS[fmt_name]
-    kk = ops.matmul(fmt, rows, cols, 64)
-    w = dev.alloc(fmt.nbytes(rows, cols))
-    dev.upload(w, np.random.default_rng(0).integers(0, 256, fmt.nbytes(rows, cols)).astype(np.uint8))
-    p = dev.program([Launch(kk, {"w": w, "x": a, "y": b})])
-    s = timed(lambda: p.run({"n_tokens": 1, "t0": 0}), 20)
-    print(f"decode matmul {fmt_name} {rows}x{cols}: {s * 1e6:7.1f} us, "
-          f"{fmt.nbytes(rows, cols) / s / 1e9:6.1f} GB/s of weights")
-    dev.free(w)
 
 k = ir.Kernel("bench_tiny")
 k.buffer("y", "f32", 1024, True)
