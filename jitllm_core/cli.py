@@ -376,11 +376,11 @@ def cmd_compile(args) -> int:
         why = f" ({found[0]['reason']})" if found and found[0]["reason"] else ""
         raise JitllmError(f"backend {args.backend!r} is not installed or cannot compile ahead of time{why}; "
                           "`jitllm devices` lists the backends found")
-    from .llama import model_kernels
+    from .llama import interleaves, model_kernels
     from .models import default_model_path
 
     path = args.model or default_model_path()
-    kernels = model_kernels(path)
+    kernels = model_kernels(path, interleave=interleaves(backend.threads))
     start = time.perf_counter()
     results = backend.compile_ahead(kernels, args.arch)
     seconds = time.perf_counter() - start

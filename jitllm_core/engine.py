@@ -16,7 +16,7 @@ import numpy as np
 from . import faults, ir, registry
 from .errors import ContextLimitError, JitllmError
 from .kvcache import PagePool, Sequence
-from .llama import Llama, ModelFile
+from .llama import Llama, ModelFile, interleaves
 from .memory import Arena
 from .models import default_model_path
 from .placement import device_name, resolve
@@ -171,7 +171,7 @@ class Engine:
                     ds.weights[name][1] += 1
                     taken.append(name)
                     continue
-                data = self.model.host_data(name, unit)  # validates type and row length
+                data = self.model.host_data(name, unit, interleave=self._interleaves(dev_name))  # validates too
                 buf = ds.arena.alloc(data.nbytes)
                 ds.weights[name] = [buf, 1]
                 taken.append(name)
@@ -230,7 +230,7 @@ class Engine:
         ds, out = self.dev_state[dev_name], []
         kv = kv or self.units[unit].kv or {}
         weight = (lambda n: ds.weights[n][0]) if slot is None else (lambda n: ds.slots[slot][_role(n)])
-        for lt in self.model.unit_launches(unit, prefill):
+        for lt in self.model.unit_launches(unit, prefill, self._interleaves(dev_name)):
             bufs = {}
             for param, ref in lt.buffers.items():
                 kind, name = ref.split(":", 1)
@@ -274,7 +274,8 @@ class Engine:
         need = {}
         for u in units:
             for name in self.model.weight_shapes(u):
-                need[_role(name)] = max(need.get(_role(name), 0), self.model.tensor_bytes(name, u))
+                need[_role(name)] = max(need.get(_role(name), 0),
+                                        self.model.tensor_bytes(name, u, self._interleaves(dev_name)))
         ds = self._state(dev_name)
         if ds.slots and all(ds.slots[0].get(r) is not None and ds.slots[0][r].nbytes >= n for r, n in need.items()):
             return
@@ -289,7 +290,7 @@ class Engine:
         """Copy a streamed unit's weights from host memory into its slot; returns bytes copied."""
         ds, moved = self.dev_state[seg.device], 0
         for name in self.model.weight_shapes(seg.streamed):
-            data = self.model.host_data(name, seg.streamed, keep=True)
+            data = self.model.host_data(name, seg.streamed, keep=True, interleave=self._interleaves(seg.device))
             ds.dev.upload(ds.slots[seg.slot][_role(name)], data)
             moved += data.nbytes
         return moved
@@ -300,7 +301,14 @@ class Engine:
 
     def _weight_bytes(self):
         """Weight bytes one decode step reads: every unit's tensors, but only one row of the embedding."""
-        return sum(self.model.unit_bytes(u) // (self.config.vocab if u == "embed" else 1) for u in self.model.units)
+        return sum(self._unit_bytes(u) // (self.config.vocab if u == "embed" else 1) for u in self.model.units)
+
+    def _interleaves(self, dev_name):
+        return interleaves(self.devices[dev_name].caps.threads)
+
+    def _unit_bytes(self, unit):
+        """The unit's weight bytes in the layout of the device it is on."""
+        return self.model.unit_bytes(unit, self._interleaves(self.units[unit].device))
 
 
     # ------------------------------------------------------------------ sequences and steps
@@ -388,7 +396,7 @@ class Engine:
         s["tokens"] += n
         kv_row = 2 * self.model.page_bytes() // self.model.page  # K and V of one position
         for u, st in self.units.items():
-            b = self.model.unit_bytes(u)
+            b = self._unit_bytes(u)
             if st.pool is not None:
                 b += kv_row * (pos + n)
             self._account("bytes_read", st.device, b)

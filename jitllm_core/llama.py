@@ -198,6 +198,17 @@ class LaunchTemplate:
 
 PREFILL_CHUNK_BYTES = 512 << 10
 PREFILL_CHUNK_ROWS = 64
+WIDE_THREADS = 1024
+
+
+def interleaves(threads: int) -> bool:
+    """The schedule for a device that runs `threads` parallel iterations at once (Caps.threads). Few, as a CPU's
+    cores: weights row-interleaved, ROWS rows the SIMD lanes of one iteration, and prefill dequantizes chunks of
+    rows to f32 for an outer-product gemm. Many, as a GPU's thousands: the file's layouts, one row per iteration
+    whose lanes split the row's blocks, and prefill runs that matmul for every token, the row coming back from
+    cache -- ROWS rows per iteration would leave most of such a device idle (measured on an H200: 1-2 % of its
+    bandwidth in decode)."""
+    return threads < WIDE_THREADS
 
 
 def _chunk_rows(rows, cols):
@@ -263,54 +274,59 @@ class Llama:
                       p + "attn_v.bias": ((kv,), True)})
         return w
 
-    def host_data(self, name, unit, keep=False):
-        """A weight's bytes as a device holds it: f32 for norms and biases; quantized tensors in their packed
-        layout (quant.repack, one tensor at a time; a view of the mapped file where there is none). keep: the
-        result is read again later (a streamed unit's weights are copied from host memory every step), so it
-        is a memory-mapped file in the cache rather than a copy in memory."""
+    def host_data(self, name, unit, keep=False, interleave=True):
+        """A weight's bytes as a device holds it: f32 for norms and biases; quantized tensors in the layout
+        self.fmt names (quant.repack, one tensor at a time; a view of the mapped file where it is the file's).
+        keep: the result is read again later (a streamed unit's weights are copied from host memory every step),
+        so it is a memory-mapped file in the cache rather than a copy in memory."""
         shape, as_f32 = self.weight_shapes(unit)[name]
         if as_f32:
             return self.mf.f32(name, shape)
-        if name in self._held:
-            return self._held[name]
         fmt, raw = self._file_format(name, shape), self.mf.tensor(name, shape).raw()
-        if not keep or packed_format(fmt, shape[0]) is fmt:
+        packed = self.fmt(name, shape, interleave)
+        if packed is fmt:
+            return raw
+        if not keep:
             return repack(fmt, raw, shape[0])
-        st, packed = os.stat(self.mf.path), packed_format(fmt, shape[0])
-        key = digest(os.path.abspath(self.mf.path), st.st_size, st.st_mtime_ns, name, packed.name, packed.unit)
-        path = cache_dir("packed") / f"{key}.bin"
-        if not path.exists():
-            write_atomic(path, repack(fmt, raw, shape[0]).tobytes())
-        self._held[name] = np.memmap(path, np.uint8, mode="r")
-        return self._held[name]
+        if packed.name not in self._held.get(name, {}):
+            st = os.stat(self.mf.path)
+            key = digest(os.path.abspath(self.mf.path), st.st_size, st.st_mtime_ns, name, packed.name, packed.unit)
+            path = cache_dir("packed") / f"{key}.bin"
+            if not path.exists():
+                write_atomic(path, repack(fmt, raw, shape[0]).tobytes())
+            self._held.setdefault(name, {})[packed.name] = np.memmap(path, np.uint8, mode="r")
+        return self._held[name][packed.name]
 
-    def tensor_bytes(self, name, unit):
+    def tensor_bytes(self, name, unit, interleave=True):
         """Bytes of a weight as a device holds it (norms and biases become f32)."""
         shape, as_f32 = self.weight_shapes(unit)[name]
-        return int(math.prod(shape)) * 4 if as_f32 else self.fmt(name, shape).nbytes(*shape)
+        return int(math.prod(shape)) * 4 if as_f32 else self.fmt(name, shape, interleave).nbytes(*shape)
 
     @functools.lru_cache(maxsize=None)
-    def unit_bytes(self, unit):
-        return sum(self.tensor_bytes(t, unit) for t in self.weight_shapes(unit))
+    def unit_bytes(self, unit, interleave=True):
+        """A unit's weight bytes; the interleaved layouts' are the larger, so the default is what plans use."""
+        return sum(self.tensor_bytes(t, unit, interleave) for t in self.weight_shapes(unit))
 
     def _file_format(self, name, shape):
         t = self.mf.tensor(name, shape)
         return get_format(t.type_name, shape[-1], f"{self.mf.path}: tensor {name!r}")
 
-    def fmt(self, name, shape):
-        """The layout kernels read the tensor in: its file format's packed form."""
-        return packed_format(self._file_format(name, shape), shape[0])
+    def fmt(self, name, shape, interleave=True):
+        """The layout kernels read the tensor in: its file format's packed form (interleave, see `interleaves`),
+        else the file format."""
+        fmt = self._file_format(name, shape)
+        return packed_format(fmt, shape[0]) if interleave else fmt
 
-    def _mm(self, name, x, y, rows, cols, acc=False, bias=None, logits=False, prefill=False):
-        """Matmul launches; only the LM head starts at the step's `t0`, layers need every token. For prefill,
-        the weights are first dequantized to f32 once and reused by every token of the step, and the input is
-        read transposed (`xt`, written by `_transposed`)."""
-        fmt = self.fmt(name, (rows, cols))
+    def _mm(self, name, x, y, rows, cols, acc=False, bias=None, logits=False, prefill=False, interleave=True):
+        """Matmul launches; only the LM head starts at the step's `t0`, layers need every token. For prefill on
+        an interleaving device, the weights are first dequantized to f32 once and reused by every token of the
+        step, and the input is read transposed (`xt`, written by `_transposed`)."""
+        fmt = self.fmt(name, (rows, cols), interleave)
         bufs = {"y": f"a:{y}", **({"b": f"w:{bias}"} if bias else {})}
         scalars = {} if logits else {"t0": "zero"}
-        if not prefill:
+        if not (prefill and interleave):
             sums = {"xs": "a:xs"} if fmt.sums else {}
-            return [LaunchTemplate(ops.matmul(fmt, rows, cols, self.T, accumulate=acc, bias=bias is not None),
+            return [LaunchTemplate(ops.matmul(fmt, rows, cols, self.T, acc, bias is not None, not interleave),
                                    {"w": f"w:{name}", "x": f"a:{x}", **bufs, **sums}, scalars)]
         chunk, out = _chunk_rows(rows, cols), []
         for r0 in range(0, rows, chunk or rows):
@@ -322,38 +338,40 @@ class Llama:
                                    {"w": "a:wdq", "xt": "a:xt", **bufs}, {**scalars, **at})]
         return out
 
-    def _sums(self, x, cols, unit, names, prefill=False):
+    def _sums(self, x, cols, unit, names, prefill=False, interleave=True):
         """For decode, the launch that writes activation x's block sums into `xs`, when a matmul of weights
         `names` (of `unit`) reads them."""
         shapes = self.weight_shapes(unit)
-        spans = {self.fmt(n, shapes[n][0]).sums for n in names} - {0}
+        spans = {self.fmt(n, shapes[n][0], interleave).sums for n in names} - {0}
         if prefill or not spans:
             return []
         span, = spans
         return [LaunchTemplate(ops.block_sums(cols, self.T, span), {"x": f"a:{x}", "xs": "a:xs"})]
 
-    def _transposed(self, x, cols, prefill):
-        """For prefill, the launch that writes activation x transposed into `xt`, where the matmuls read it."""
-        return [LaunchTemplate(ops.transpose(cols, self.T), {"x": f"a:{x}", "xt": "a:xt"})] if prefill else []
+    def _transposed(self, x, cols, prefill, interleave):
+        """For prefill's gemms, the launch that writes activation x transposed into `xt`, where they read it."""
+        gemm = prefill and interleave
+        return [LaunchTemplate(ops.transpose(cols, self.T), {"x": f"a:{x}", "xt": "a:xt"})] if gemm else []
 
-    def unit_launches(self, unit, prefill=False):
-        """The unit's launches for a decode step, or (prefill=True) for a step of many tokens."""
+    def unit_launches(self, unit, prefill=False, interleave=True):
+        """The unit's launches for a decode step, or (prefill=True) for a step of many tokens, in the schedule
+        `interleaves` chooses for the device."""
         c, T = self.cfg, self.T
         if unit == "embed":
-            fmt = self.fmt("token_embd.weight", (c.vocab, c.dim))
+            fmt = self.fmt("token_embd.weight", (c.vocab, c.dim), interleave)
             return [LaunchTemplate(ops.embed(fmt, c.vocab, c.dim, T),
                                    {"tok": "a:tok", "w": "w:token_embd.weight", "x": "a:x"})]
         if unit == "head":
             return [LaunchTemplate(ops.rmsnorm(c.dim, T, c.eps), {"x": "a:x", "w": "w:output_norm.weight", "out": "a:xn"}),
-                    *self._sums("xn", c.dim, unit, [self.head_tensor]),
-                    *self._mm(self.head_tensor, "xn", "logits", c.vocab, c.dim, logits=True)]
+                    *self._sums("xn", c.dim, unit, [self.head_tensor], interleave=interleave),
+                    *self._mm(self.head_tensor, "xn", "logits", c.vocab, c.dim, logits=True, interleave=interleave)]
         p, q, kv = f"blk.{unit}.", c.n_head * c.head_dim, c.n_kv * c.head_dim
         b = (lambda n: p + n + ".bias") if c.bias else (lambda n: None)
         cache = dict(page=self.page, n_pages=self.n_pages, max_pages=self.n_pages, kv_dtype=self.kv_dtype)
         kvb = {"ptab": "kv:ptab", "kc": "kv:k", "vc": "kv:v"}
-        mm = functools.partial(self._mm, prefill=prefill)
-        tr = functools.partial(self._transposed, prefill=prefill)
-        sm = lambda x, cols, *names: self._sums(x, cols, unit, [p + n + ".weight" for n in names], prefill)
+        mm = functools.partial(self._mm, prefill=prefill, interleave=interleave)
+        tr = functools.partial(self._transposed, prefill=prefill, interleave=interleave)
+        sm = lambda x, cols, *names: self._sums(x, cols, unit, [p + n + ".weight" for n in names], prefill, interleave)
         return [
             LaunchTemplate(ops.rmsnorm(c.dim, T, c.eps), {"x": "a:x", "w": f"w:{p}attn_norm.weight", "out": "a:xn"}),
             *tr("xn", c.dim), *sm("xn", c.dim, "attn_q", "attn_k", "attn_v"),
@@ -384,14 +402,15 @@ class Llama:
         return 2 * self.n_pages * self.page_bytes()
 
 
-def model_kernels(path, T=64, page=16, context=None, kv_dtype="f16"):
-    """Every distinct kernel the model (a path, or a SpecFile) needs, for ahead-of-time compilation."""
+def model_kernels(path, T=64, page=16, context=None, kv_dtype="f16", interleave=True):
+    """Every distinct kernel the model (a path, or a SpecFile) needs on a device of that schedule
+    (`interleaves`), for ahead-of-time compilation."""
     mf = path if isinstance(path, SpecFile) else ModelFile(path)
     ctx = min(context or mf.config.context, 8192)
     max_pages = -(-ctx // page)
     m = Llama(mf, T, page, max_pages, kv_dtype)
     seen = {}
     for u in m.units:
-        for lt in m.unit_launches(u) + m.unit_launches(u, prefill=True):
+        for lt in m.unit_launches(u, interleave=interleave) + m.unit_launches(u, True, interleave):
             seen.setdefault(lt.kernel.key(), lt.kernel)
     return list(seen.values())

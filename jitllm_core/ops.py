@@ -56,11 +56,13 @@ def rmsnorm(dim: int, T: int, eps: float) -> ir.Kernel:
 
 
 @functools.cache
-def matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=False) -> ir.Kernel:
+def matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=False, wide=False) -> ir.Kernel:
     """y[t, r] (+)= W[r, :] . x[t, :] (+ b[r]) for t in [t0, n_tokens); one quantized row per iteration (an
     interleaved format's: ROWS rows, a vector lane each), reused across the step's tokens while it is in cache.
-    Interleaved formats with offsets also read the input's block sums `xs` (`block_sums`)."""
-    k = ir.Kernel(f"matmul_{fmt.name}_{rows}x{cols}_T{T}{'_acc' if accumulate else ''}{'_bias' if bias else ''}")
+    Interleaved formats with offsets also read the input's block sums `xs` (`block_sums`). wide: the row's dot
+    in the form for a device of many threads (Format.row_dot)."""
+    k = ir.Kernel(f"matmul_{fmt.name}_{rows}x{cols}_T{T}{'_acc' if accumulate else ''}{'_bias' if bias else ''}"
+                  f"{'_wide' if wide else ''}")
     k.buffer("w", fmt.storage, rows * fmt.row_units(cols)), k.buffer("x", "f32", T * cols)
     if fmt.sums:
         k.buffer("xs", "f32", T * (cols // fmt.sums))
@@ -85,7 +87,7 @@ def matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=Fal
         return k.finish()
     with k.parallel("r", rows) as r:
         with k.loop("t", n - t0, "serial", start=t0) as t:
-            put(t, r, fmt.row_dot(k, "w", r, cols, lambda c: k.load("x", t * cols + c)))
+            put(t, r, fmt.row_dot(k, "w", r, cols, lambda c: k.load("x", t * cols + c), wide))
     return k.finish()
 
 

@@ -43,6 +43,7 @@ class Specs:
 
 class Backend:
     name = "?"
+    threads = 1   # Caps.threads of the devices it targets, for ahead-of-time compilation (no device at hand)
 
     def probe(self) -> list["Device"]:
         raise NotImplementedError
@@ -97,6 +98,7 @@ class Caps:
     int8: bool = False
     host_visible: bool = False     # device memory can be mapped by the host
     max_buffer_bytes: int = 1 << 62
+    threads: int = 1               # parallel iterations it runs at once: CPU worker threads, a GPU's resident threads
     extra: dict = field(default_factory=dict)
 
 

@@ -60,22 +60,25 @@ class Format:
     def terms(self, k, buf, base, g, l):
         raise NotImplementedError
 
-    def row_dot(self, k, buf, row, cols, x, kind="reduce"):
-        """sum_c W[row, c] * x(c): a Reduce over blocks of the sum, over the block's groups (a constant each, so
-        that scale lookups fold), of a vector Reduce over lanes."""
+    def row_dot(self, k, buf, row, cols, x, wide=False):
+        """sum_c W[row, c] * x(c). Narrow (CPU lanes): a "reduce" Reduce over blocks of the sum over the block's
+        groups (constants, so that scale lookups fold) of a vector Reduce over the group's lanes. Wide (a GPU's
+        warp per row): one "reduce" Reduce over (block, lane) pairs, so that neighbouring lanes read neighbouring
+        bytes of a block and all of them have work however few blocks a row has (on a CPU that form measured
+        15-20x slower: its lanes would gather every block's scales)."""
         nb = cols // self.block
 
-        def block(b):
-            base = (row * nb + b) * self.unit
+        def terms(b, g, l):
+            return [w * x(b * self.block + j) for j, w in self.terms(k, buf, (row * nb + b) * self.unit, g, l)]
 
-            def group(g):
-                def lane(l):
-                    ts = [w * x(b * self.block + j) for j, w in self.terms(k, buf, base, g, l)]
-                    return sum(ts[1:], ts[0])
-                return ir.reduce("add", f"l{g}", self.lanes, lane, "vector")
-            gs = [group(g) for g in range(self.groups)]
-            return sum(gs[1:], gs[0])
-        return ir.reduce("add", "b", nb, block, kind)
+        def total(ts):
+            return sum(ts[1:], ts[0])
+        if wide:
+            return ir.reduce("add", "e", nb * self.lanes, lambda e: total(
+                [t for g in range(self.groups) for t in terms(e // self.lanes, g, e % self.lanes)]), "reduce")
+        return ir.reduce("add", "b", nb, lambda b: total(
+            [ir.reduce("add", f"l{g}", self.lanes, lambda l: total(terms(b, g, l)), "vector")
+             for g in range(self.groups)]), "reduce")
 
 
 class Plain(Format):

@@ -4,14 +4,15 @@
 Shapes and metadata are those of Llama-3.2-1B as llama.cpp's convert_hf_to_gguf.py and `llama-quantize
 Q4_K_M` write them (tied embedding, Llama-3 rope scaling as a `rope_freqs.weight` tensor of per-frequency
 factors). The tokenizer is the default model's (SmolLM2, 49152 tokens), padded with control tokens to the
-128256-entry vocabulary. Tensors are generated, quantized and written one at a time, so memory stays at
-about one f32 embedding matrix (1 GB).
+128256-entry vocabulary. Tensors are generated (a seed each) and quantized in parallel, a process per core,
+and written in order; memory stays at about one f32 matrix per core.
 
     python scripts/make_bench_model.py [--out PATH] [--force]
 """
 
 import argparse
 import math
+import multiprocessing
 import os
 import sys
 import time
@@ -104,6 +105,18 @@ def nbytes(shape, type_name):
     return math.prod(shape) // bs * ts
 
 
+def tensor_data(item):
+    """Tensor i of the plan: random normal weights (a seed per tensor), quantized."""
+    i, (name, shape, type_name) = item
+    if name == "rope_freqs.weight":
+        return rope_factors()
+    if len(shape) == 1:
+        return np.ones(shape, np.float32)
+    w = np.random.default_rng([SEED, i]).standard_normal(shape, dtype=np.float32)
+    w *= STD
+    return quantize(w, type_name)
+
+
 def write(path):
     plan = tensor_plan()
     tmp = path.with_name(path.name + ".part")  # a crash never leaves a file that looks finished
@@ -114,20 +127,12 @@ def write(path):
     writer.write_header_to_file(tmp)
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    rng = np.random.default_rng(SEED)
     t0 = time.time()
-    for name, shape, type_name in plan:
-        if name == "rope_freqs.weight":
-            data = rope_factors()
-        elif len(shape) == 1:
-            data = np.ones(shape, np.float32)
-        else:
-            w = rng.standard_normal(shape, dtype=np.float32)
-            w *= STD
-            data = quantize(w, type_name)
-        writer.write_tensor_data(data)
-        if name.endswith("ffn_norm.weight") or name == "token_embd.weight":
-            print(f"  {name.rsplit('.', 2)[0]:<12} written, {time.time() - t0:6.1f} s", flush=True)
+    with multiprocessing.get_context("fork").Pool(os.cpu_count()) as pool:   # tensors quantized in parallel
+        for (name, _, _), data in zip(plan, pool.imap(tensor_data, enumerate(plan))):
+            writer.write_tensor_data(data)
+            if name.endswith("ffn_norm.weight") or name == "token_embd.weight":
+                print(f"  {name.rsplit('.', 2)[0]:<12} written, {time.time() - t0:6.1f} s", flush=True)
     writer.close()
     os.replace(tmp, path)
 

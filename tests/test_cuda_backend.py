@@ -115,12 +115,27 @@ def names_and_edges(n=8):
     return k.finish()
 
 
+def flat_vector(rows=5, cols=37):
+    """Elementwise vector loops under a parallel loop (a thread per element): a start that names the iteration, and
+    a run-time iteration count."""
+    k = ir.Kernel("flat_vector")
+    k.buffer("x", "f32", rows * cols), k.buffer("o", "f32", rows * cols, True), k.buffer("p", "f32", rows * cols, True)
+    with k.parallel("r", rows) as r:
+        with k.loop("c", cols - 2, "vector", start=r % 3) as c:
+            k.store("o", r * cols + c, k.load("x", r * cols + c) * 2.0 + F(r))
+    with k.parallel("r", k.scalar("n")) as r:
+        with k.loop("c", cols, "vector") as c:
+            k.store("p", r * cols + c, k.load("x", r * cols + c) - F(c))
+    return k.finish()
+
+
 EXTRA = {
     "warp_reductions": (lambda: reductions(rows=300), {"n": 13}),
     "coop_dynamic": (coop_dynamic, {"n": 7}),
     "narrow_atomics": (narrow_atomics, {}),
     "top_level": (top_level, {}),
     "names_and_edges": (names_and_edges, {}),
+    "flat_vector": (flat_vector, {"n": 4}),
 }
 ALL = {**CASES, **EXTRA}
 
@@ -134,10 +149,14 @@ def test_lowers_and_compiles(name, arch):
 
 
 def test_mapping_choices():
-    """Few iterations: a block each; many or run-time: a warp each; a global barrier splits the kernel."""
+    """Few or run-time iterations: a block each; many: a warp each; an elementwise vector loop: a thread per
+    element; a global barrier splits the kernel."""
+    from jitllm_core import ops
     assert "block task" in lower(reductions(rows=5)).source
     assert "warp task" in lower(reductions(rows=300)).source
-    assert "warp task" in lower(coop_dynamic()).source
+    assert "block task" in lower(coop_dynamic()).source
+    assert "flat task" in lower(ops.silu_mul(64, 4)).source
+    assert lower(flat_vector()).source.count("flat task") == 2
     assert "thread task" in lower(CASES["elementwise_f32"][0]()).source
     assert len(lower(CASES["barriers"][0]()).dispatches) == 2
     assert len(lower(top_level()).dispatches) == 3
@@ -192,13 +211,13 @@ def test_unknown_arch_is_a_clear_error():
 
 def test_model_kernels_compile():
     """Every kernel of the default model (the core's op builders) compiles for sm_90 and sm_75."""
-    from jitllm_core.llama import model_kernels
+    from jitllm_core.llama import interleaves, model_kernels
     from jitllm_core.models import default_model_path
     try:
         path = default_model_path()
     except Exception as e:
         pytest.skip(f"default model not available: {e}")
-    kernels = model_kernels(path)
+    kernels = model_kernels(path, interleave=interleaves(CudaBackend.threads))
     for arch in ("sm_90", "sm_75"):
         report = CudaBackend.compile_ahead(kernels, arch)
         assert len(report) == len(kernels) and all(r["bytes"] > 0 for r in report)

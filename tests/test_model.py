@@ -3,6 +3,9 @@ import numpy as np
 import pytest
 
 import jitllm_core as jl
+from conftest import backend_device
+from jitllm_core.llama import WIDE_THREADS
+from jitllm_core.profile import profile_decode
 from reference import agreeing_prefix, reference_logits
 
 PROMPTS = [
@@ -28,6 +31,47 @@ def test_score_matches_transformers(engines, default_model, kv, tol, prompt):
     got, want = eng.score(ids), reference_logits(default_model, ids)
     assert got.shape == want.shape and got.dtype == np.float32
     assert np.abs(got - want).max() <= tol
+
+
+@pytest.fixture
+def wide_cpu1():
+    """cpu:1 as the engine sees a GPU: many threads at once, so it gets the wide schedule (llama.interleaves)."""
+    dev = backend_device("cpu:1")
+    threads, dev.caps.threads = dev.caps.threads, WIDE_THREADS
+    yield dev
+    dev.caps.threads = threads
+
+
+def test_wide_schedule_matches_transformers(wide_cpu1, default_model, engines):
+    """What GPUs run -- the file's layouts, a row per iteration, prefill through the same matmul -- scores like
+    transformers; a split between it and the interleaved cpu:0 gives the all-cpu:0 tokens, and layers moved
+    from one to the other mid-sequence give its logits."""
+    eng = jl.Engine(default_model, devices=["cpu:1"], kv_dtype="f32")
+    try:
+        for step in (1, 2):   # a decode step, a prefill step
+            names = {name for _, name, _, _ in profile_decode(eng, prompt_tokens=1, repeats=1, step_tokens=step)[0]}
+            assert any(n.startswith("matmul_Q4_1_") for n in names), names
+            assert not any(n.startswith(("matmul_R", "gemm", "dequant", "block_sums")) for n in names), names
+        ids = eng.tokenizer.encode(PROMPTS[0])[:24]   # on a CPU, the GPU's form of the dot runs 15-20x slower
+        assert np.abs(eng.score(ids) - reference_logits(default_model, ids)).max() <= 1e-3
+    finally:
+        eng.close()
+    ids = engines["f32"].tokenizer.encode(PROMPTS[1])[:16]
+    want = engines["f32"].generate(ids, max_tokens=6, ignore_eos=True).token_ids
+    split = jl.Engine(default_model, devices=["cpu:0", "cpu:1"], kv_dtype="f32",
+                      placement={"cpu:0": range(0, 15), "cpu:1": range(15, 30)})
+    try:
+        assert split.generate(ids, max_tokens=6, ignore_eos=True).token_ids == want
+        with split.session() as s:   # layers 0-14 move from the interleaved layout to the file's mid-sequence
+            s.feed(ids)
+            assert split.migrate("0-14", "cpu:1").ok
+            moved = s.feed(want[:3])
+        with engines["f32"].session() as s:
+            s.feed(ids)
+            still = s.feed(want[:3])
+        assert np.abs(moved - still).max() <= 1e-3
+    finally:
+        split.close()
 
 
 @pytest.mark.parametrize("kv", ["f32", "f16"])

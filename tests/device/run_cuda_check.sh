@@ -59,14 +59,13 @@ if [[ $phase == model || $phase == all ]]; then
     | tee "$out/model_tests.log"
   status=$((status | PIPESTATUS[0]))
   echo "== bench: SmolLM2 on cuda:0"
-  timeout 300 jitllm bench --device cuda:0 --threads 1 --no-llama-cpp --repeats 5 --profile 2>&1 \
-    | tee "$out/bench_smollm2.log"
+  timeout 300 jitllm bench --device cuda:0 --threads 1 --no-llama-cpp --repeats 3 2>&1 | tee "$out/bench_smollm2.log"
   echo "== bench migrate"
   JITLLM_CPU_DEVICES=2 timeout 300 jitllm bench migrate --history 256 1800 2>&1 | tee "$out/bench_migrate.log"
   echo "== bench: 1B-shaped Q4_K_M on cuda:0"
   [[ -n $maker ]] && wait "$maker"
   tail -2 "$out/make_1b.log" 2>/dev/null
-  timeout 300 jitllm bench -m "$big" --device cuda:0 --threads 1 --no-llama-cpp --repeats 5 --profile 2>&1 \
+  timeout 300 jitllm bench -m "$big" --device cuda:0 --threads 1 --no-llama-cpp --repeats 3 --profile 2>&1 \
     | tee "$out/bench_1b.log"
 fi
 

@@ -168,7 +168,7 @@ class CpuDevice(Device):
     def __init__(self, name, threads, memory_bytes):
         self.name = name
         self.caps = Caps(memory_bytes=memory_bytes, bandwidth_Bps=0.0, subgroup_size=simd_width(), fp16=True,
-                         int8=True, host_visible=True, extra={"threads": threads, "cpu": llvm.get_host_cpu_name()})
+                         int8=True, host_visible=True, extra={"cpu": llvm.get_host_cpu_name()})
         self.used = 0
         self.compiled = {}  # program key -> Compiled, kept for the process's life (see Workers)
         self._lock = threading.Lock()
@@ -177,7 +177,7 @@ class CpuDevice(Device):
     def configure(self, threads=None, memory_bytes=None):
         if threads:
             self.threads = int(threads)
-            self.caps.extra["threads"] = self.threads
+            self.caps.threads = self.threads
             self.workers = Workers(self.threads)
         if memory_bytes:
             self.caps.memory_bytes = int(memory_bytes)

@@ -12,6 +12,7 @@ from .lower import lower
 
 class CudaBackend(Backend):
     name = "cuda"
+    threads = 1 << 14   # every CUDA GPU runs thousands of threads at once (an H200: 132 x 2048)
 
     def __init__(self):
         self._devices = None

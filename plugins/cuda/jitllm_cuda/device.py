@@ -71,6 +71,7 @@ class CudaDevice(Device):
         bw = 2 * self.attr("MEMORY_CLOCK_RATE") * 1e3 * self.attr("GLOBAL_MEMORY_BUS_WIDTH") / 8
         self.caps = Caps(memory_bytes=int(call(cu.cuDeviceTotalMem, self.dev)), bandwidth_Bps=bw,
                          subgroup_size=self.attr("WARP_SIZE"), fp16=True, int8=True,
+                         threads=self.attr("MULTIPROCESSOR_COUNT") * self.attr("MAX_THREADS_PER_MULTIPROCESSOR"),
                          extra={"name": self.gpu, "sm": major * 10 + minor, "arch": self.arch,
                                 "multiprocessors": self.attr("MULTIPROCESSOR_COUNT")})
         self._chunks, self._lock = [], threading.Lock()

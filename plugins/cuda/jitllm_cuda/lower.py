@@ -6,9 +6,11 @@ Mapping (every kernel function uses blocks of BLOCK threads):
   - Inside a segment, each top-level parallel loop is a task owning a range of blocks; the segment's other
     statements ("once" statements) form one more task run by a single thread. Tasks of a segment are unordered,
     as the IR allows.
+  - A parallel loop whose body is one vector Loop of constant extent, with nothing in it that needs lanes, runs one
+    thread per (iteration, vector index) pair: an elementwise op over a few tokens still fills the GPU.
   - A parallel loop whose body holds a "reduce"-kind Reduce, a vector Loop or a Barrier runs cooperatively: one
-    block per iteration when its extent is a small constant (few iterations: give each more lanes), else one warp
-    per iteration. The lanes split the vector loops and the outermost "reduce" Reduces (warp shuffles, then shared
+    block per iteration when its extent is a small constant or known only at run time (few iterations -- tokens,
+    heads of a decode step: give each more lanes), else one warp per iteration. The lanes split the vector loops and the outermost "reduce" Reduces (warp shuffles, then shared
     memory across the block's warps); everything else runs redundantly on every lane, with stores and atomics by
     lane 0 (followed by a lane sync when the iteration also reads that buffer). Other parallel loops run one
     iteration per thread.
@@ -139,10 +141,11 @@ def lower(k: ir.Kernel) -> Lowered:
 # ----------------------------------------------------------------------------------------------- planning
 @dataclass
 class _Task:
-    mode: str          # "once" | "thread" | "warp" | "block"
+    mode: str          # "once" | "thread" | "flat" | "warp" | "block"
     body: list         # statements ("once") or [the parallel Loop]
     prelude: list      # top-level Let/Local/Assign that precede it
     blocks: int
+    inner: int = 0     # "flat": the extent of the vector loop that is the parallel loop's body
 
 
 def _is_parallel(s):
@@ -150,14 +153,25 @@ def _is_parallel(s):
 
 
 def _parallel_task(loop, prelude, folder) -> _Task:
-    n = folder.value(loop.extent)
-    if not _needs_lanes(loop.body):
+    n, inner = folder.value(loop.extent), _flat_extent(loop, folder)
+    if inner:
+        mode = "flat"
+    elif not _needs_lanes(loop.body):
         mode = "thread"
     else:
-        mode = "block" if n is not None and n <= BLOCK_PER_ITER_MAX else "warp"
-    per_block = {"thread": BLOCK, "warp": BLOCK // 32, "block": 1}[mode]
-    blocks = DYN_BLOCKS if n is None else -(-max(n, 0) // per_block)
-    return _Task(mode, [loop], prelude, blocks)
+        mode = "block" if n is None or n <= BLOCK_PER_ITER_MAX else "warp"
+    per_block = {"thread": BLOCK, "flat": BLOCK, "warp": BLOCK // 32, "block": 1}[mode]
+    blocks = DYN_BLOCKS if n is None else -(-max(n * max(inner, 1), 0) // per_block)
+    return _Task(mode, [loop], prelude, blocks, inner)
+
+
+def _flat_extent(loop, folder) -> int:
+    """The extent of the parallel loop's body when that is a single vector Loop of constant extent that needs no
+    lanes itself (its iterations are independent threads), else 0."""
+    if len(loop.body) != 1 or not isinstance(loop.body[0], ir.Loop) or loop.body[0].kind != "vector":
+        return 0
+    m = folder.value(loop.body[0].extent)
+    return m if m and m > 0 and not _needs_lanes(loop.body[0].body) else 0
 
 
 def _needs_lanes(body) -> bool:
@@ -305,7 +319,7 @@ class _Function:
         return "\n".join([head] + self.lines + ["}"])
 
     def task(self, t: _Task, first: int):
-        self.lanes = {"once": 1, "thread": 1, "warp": 32, "block": BLOCK}[t.mode]
+        self.lanes = {"once": 1, "thread": 1, "flat": 1, "warp": 32, "block": BLOCK}[t.mode]
         if t.mode == "once":
             self.open("if (threadIdx.x == 0)")
             self.block(t.prelude + t.body)
@@ -315,12 +329,22 @@ class _Function:
         self.block(t.prelude)
         per_block = BLOCK // self.lanes
         first_it = {"thread": f"(int)((blockIdx.x - {first}u) * {BLOCK}u + threadIdx.x)",
+                    "flat": f"(int)((blockIdx.x - {first}u) * {BLOCK}u + threadIdx.x)",
                     "warp": f"(int)((blockIdx.x - {first}u) * {per_block}u + threadIdx.x / 32u)",
                     "block": f"(int)(blockIdx.x - {first}u)"}[t.mode]
         if self.lanes > 1:
             self.line(f"const int jl_lane = threadIdx.x % {self.lanes}u;")
         start, n = self.start(loop.start), self.ex(loop.extent)
+        if t.mode == "flat":   # jl_it counts (iteration, vector index) pairs
+            n = f"jl_wmul({n}, {t.inner})"
         self.open(f"for (int jl_it = {first_it}, jl_n = {n}; jl_it < jl_n; jl_it += {t.blocks * per_block})")
+        if t.mode == "flat":
+            vec = loop.body[0]
+            self.line(f"const int {self.bind(loop.var)} = {start(f'(jl_it / {t.inner})')};")
+            self.line(f"const int {self.bind(vec.var)} = {self.start(vec.start)(f'(jl_it % {t.inner})')};")
+            self.block(vec.body)
+            self.close()
+            return
         self.line(f"const int {self.bind(loop.var)} = {start('jl_it')};")
         self.coop = self.lanes > 1
         self.loaded = {x.buf for x in _walk(loop.body) if isinstance(x, ir.Load)}
