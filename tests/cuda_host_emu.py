@@ -34,6 +34,7 @@ SHIM = r"""
 #define __launch_bounds__(x)
 #define __shared__ static
 struct jl_dim3 { unsigned x, y, z; };
+struct uint4 { unsigned x, y, z, w; };
 static thread_local jl_dim3 threadIdx, blockIdx;
 static pthread_barrier_t jl_block_bar, jl_warp_bar[BLOCK / 32];
 static uint64_t jl_xch[BLOCK];

@@ -129,6 +129,25 @@ def flat_vector(rows=5, cols=37):
     return k.finish()
 
 
+def vector_loads(rows=6, n=32):
+    """Reductions a thread runs alone over contiguous elements of every storage type (uint4 loads), mixed widths
+    in one sum, an offset that is not a multiple of 16 bytes (plain loads), and a run-time extent."""
+    k = ir.Kernel("vector_loads")
+    types = ("f32", "f16", "bf16", "u8", "i8", "i32")
+    for d in types:
+        k.buffer(d, d, rows * n + 8)
+    k.buffer("o", "f32", rows * 4, True), k.buffer("oi", "i32", rows, True)
+    m = k.scalar("m")
+    with k.parallel("r", rows) as r:
+        k.store("o", r * 4, ir.reduce("add", "j", n, lambda j: k.load("f32", r * n + j) * k.load("f16", r * n + j)
+                                      + k.load("bf16", r * n + j) - F(k.load("u8", r * n + j)), "serial"))
+        k.store("o", r * 4 + 1, ir.reduce("max", "j", n, lambda j: F(k.load("i8", r * n + j)), "unroll"))
+        k.store("o", r * 4 + 2, ir.reduce("add", "j", n, lambda j: k.load("f32", r * n + 1 + j)))
+        k.store("o", r * 4 + 3, ir.reduce("add", "j", m, lambda j: k.load("f16", r * n + j)))
+        k.store("oi", r, ir.Reduce("add", "j", ir.as_expr(n), k.load("i32", r * n + ir.Var("j")), "serial"))
+    return k.finish()
+
+
 EXTRA = {
     "warp_reductions": (lambda: reductions(rows=300), {"n": 13}),
     "coop_dynamic": (coop_dynamic, {"n": 7}),
@@ -136,6 +155,7 @@ EXTRA = {
     "top_level": (top_level, {}),
     "names_and_edges": (names_and_edges, {}),
     "flat_vector": (flat_vector, {"n": 4}),
+    "vector_loads": (vector_loads, {"m": 20}),
 }
 ALL = {**CASES, **EXTRA}
 
@@ -157,6 +177,9 @@ def test_mapping_choices():
     assert "block task" in lower(coop_dynamic()).source
     assert "flat task" in lower(ops.silu_mul(64, 4)).source
     assert lower(flat_vector()).source.count("flat task") == 2
+    # 16-byte loads, per 16 steps of the first sum: f32 x4, f16 x2, bf16 x2, u8 x1; one per iteration of the i8
+    # and i32 sums; none in the unaligned and run-time sums
+    assert lower(vector_loads()).source.count("*(const uint4*)") == 4 + 2 + 2 + 1 + 1 + 1
     assert "thread task" in lower(CASES["elementwise_f32"][0]()).source
     assert len(lower(CASES["barriers"][0]()).dispatches) == 2
     assert len(lower(top_level()).dispatches) == 3

@@ -18,6 +18,9 @@ Mapping (every kernel function uses blocks of BLOCK threads):
     launch's grid never depends on the step's values.
   - Top-level Let/Local/Assign are replayed at the start of every later task (they are cheap and uniform).
   - Scalars are read from a device array (`jl_s`) that the runtime refreshes once per step.
+  - A reduction a thread runs on its own (not split over lanes) reads 16 bytes at a time (one `uint4` load) from
+    each buffer it walks element by element from an index that is a multiple of 16 bytes (buffers are 16-byte
+    aligned: cuMemAlloc), its steps taken in the IR's order from the loaded words.
   - Storage conversions: f16 through cuda_fp16.h, bf16 by bit operations (round to nearest even), 8/16-bit
     atomics through a CAS on the enclosing 32-bit word. i32 add/sub/mul/neg/shl wrap (done in unsigned).
 """
@@ -40,6 +43,7 @@ CTYPE = {"f32": "float", "i32": "int", "bool": "bool"}
 STORAGE_CTYPE = {"f32": "float", "f16": "__half", "bf16": "unsigned short", "u8": "unsigned char",
                  "i8": "signed char", "i32": "int"}
 DEFS = (ir.Let, ir.Local, ir.Assign)
+VECTOR_BYTES = 16      # a uint4 load
 
 PRELUDE = r"""#include <cuda_fp16.h>
 #define JL_BLOCK 128
@@ -213,6 +217,46 @@ def _walk(node):
         yield from _walk(c)
 
 
+def _element(dtype, word, shift):
+    """The C value of a storage element `shift` bits into a 32-bit word of a uint4."""
+    bits = f"(({word} >> {shift}) & 0xFFFFu)" if dtype in ("f16", "bf16") else f"(({word} >> {shift}) & 0xFFu)"
+    return {"f32": f"__uint_as_float({word})", "i32": f"(int){word}", "f16": f"jl_f16({bits})",
+            "bf16": f"jl_bf16({bits})", "u8": f"(int){bits}", "i8": f"(int)(signed char){bits}"}[dtype]
+
+
+def _multiple_of(e, w) -> bool:
+    """e is provably a multiple of w (an i32 index)."""
+    if isinstance(e, ir.Const):
+        return int(e.value) % w == 0
+    if isinstance(e, ir.Bin) and e.op == "mul":
+        return _multiple_of(e.a, w) or _multiple_of(e.b, w)
+    if isinstance(e, ir.Bin) and e.op in ("add", "sub"):
+        return _multiple_of(e.a, w) and _multiple_of(e.b, w)
+    if isinstance(e, ir.Bin) and e.op == "shl" and isinstance(e.b, ir.Const):
+        return _multiple_of(e.a, w) or (1 << int(e.b.value)) % w == 0
+    return False
+
+
+def _vector_loads(r: ir.Reduce, n, k):
+    """Loads of reduction r (of constant extent n) that read element `base + r.var` of a buffer, base a multiple of
+    16 bytes not naming r's own variables: {id(load): (buffer, base, elements per 16 bytes)}; n must be a multiple
+    of the largest of those counts (the reduction's steps per iteration)."""
+    inner = {x.var for x in _walk(r.value) if isinstance(x, ir.Reduce)} | {r.var}
+    found = {}
+    for x in _walk(r.value):
+        if not isinstance(x, ir.Load) or not (isinstance(x.index, ir.Bin) and x.index.op == "add"):
+            continue
+        w = VECTOR_BYTES // ir.STORAGE_DTYPES[k.buffers[x.buf].dtype]
+        for var, base in ((x.index.b, x.index.a), (x.index.a, x.index.b)):
+            names = {v.name for v in _walk(base) if isinstance(v, ir.Var)}
+            if isinstance(var, ir.Var) and var.name == r.var and not names & inner and _multiple_of(base, w) \
+                    and n % w == 0:
+                found[id(x)] = (x.buf, base, w)
+                break
+    step = max((w for _, _, w in found.values()), default=1)
+    return found if n % step == 0 else {}
+
+
 def _check_top_level(s, defs):
     """Top-level locals are replayed per task, so a top-level If/Loop must not assign them."""
     top = {d.name for d in defs if isinstance(d, ir.Local)}
@@ -266,6 +310,7 @@ class _Function:
         self.scopes, self.used = [{}], {}
         self.bufs = {p.name: self.fresh(p.name, f"b{i}") for i, p in enumerate(k.buffers.values())}
         self.lanes = 1          # lanes cooperating on one iteration in the current task
+        self.vector = {}        # id(Load) -> the C expression of its element in a uint4 loaded by a reduction
         self.coop = False       # code runs redundantly on all lanes of an iteration (stores by lane 0)
         self.loaded = set()     # buffers the current cooperative iteration reads
 
@@ -448,6 +493,8 @@ class _Function:
         if isinstance(e, ir.Var):
             return self.lookup(e.name)
         if isinstance(e, ir.Load):
+            if id(e) in self.vector:
+                return self.vector[id(e)]
             raw = f"{self.bufs[e.buf]}[{self.ex(e.index)}]"
             return {"f32": raw, "i32": raw, "f16": f"__half2float({raw})", "bf16": f"jl_bf16({raw})",
                     "u8": f"(int){raw}", "i8": f"(int){raw}"}[self.k.buffers[e.buf].dtype]
@@ -510,6 +557,10 @@ class _Function:
             {"add": "0.0f", "max": "__int_as_float(0xff800000)", "min": "__int_as_float(0x7f800000)"}[e.op]
         n = self.ex(e.extent)
         self.line(f"{CTYPE[dt]} {t} = {ident};")
+        const_n = e.extent.value if isinstance(e.extent, ir.Const) else None
+        loads = {} if split or const_n is None else _vector_loads(e, int(const_n), self.k)
+        if loads:
+            return self.vector_reduce(e, t, loads)
         if e.kind == "unroll":
             self.line("#pragma unroll")
         v, end = self.fresh(e.var), self.fresh("e", "jl")
@@ -525,4 +576,34 @@ class _Function:
             self.line(f"{t} = jl_warp_reduce<{CTYPE[dt]}, jl_{e.op}>({t});")
         elif split:
             self.line(f"{t} = jl_block_reduce<{CTYPE[dt]}, jl_{e.op}>({t}, {'jl_shf' if dt == 'f32' else 'jl_shi'});")
+        return t
+
+    def vector_reduce(self, e: ir.Reduce, t: str, loads: dict) -> str:
+        """A thread's reduction, `step` steps per iteration: uint4 loads of each buffer and base (16 bytes each,
+        as many as the step needs), then the steps in order, each reading its elements out of the loaded words."""
+        step = max(w for _, _, w in loads.values())
+        o = self.fresh("o", "jl")
+        self.open(f"for (int {o} = 0; {o} < {int(e.extent.value)}; {o} += {step})")
+        words = {}   # C element at which a uint4 starts -> its variable
+        for lid, (buf, base, w) in list(loads.items()):
+            first, qs = self.ex(base), []
+            for m in range(0, step, w):
+                at = f"{self.bufs[buf]}[jl_wadd({first}, jl_wadd({o}, {m}))]"
+                if at not in words:
+                    words[at] = self.fresh("q", "jl")
+                    self.line(f"const uint4 {words[at]} = *(const uint4*)&{at};")
+                qs.append(words[at])
+            loads[lid] = (buf, qs, w)
+        for j in range(step):
+            self.vector = {}
+            for lid, (buf, qs, w) in loads.items():
+                byte = j % w * (VECTOR_BYTES // w)
+                self.vector[lid] = _element(self.k.buffers[buf].dtype, f"{qs[j // w]}.{'xyzw'[byte // 4]}", byte % 4 * 8)
+            self.scopes[-1][e.var] = f"jl_wadd({o}, {j})"
+            saved, self.coop = self.coop, False
+            val = self.ex(e.value)
+            self.coop = saved
+            self.line(f"{t} = jl_{e.op}({t}, {val});")
+        self.vector = {}
+        self.close()
         return t
