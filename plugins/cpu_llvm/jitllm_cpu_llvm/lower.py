@@ -12,7 +12,7 @@ four chains; stores under a lane-varying `if` are masked. What quantized weights
 IR rather than written per format: a little-endian field assembled from bytes is one wide load, a float of a
 function of 4 bits is one table lookup (vpermps), and addresses keep each index term's offset visible.
 A program module adds `step(ptr bufs, ptr scalars, tid, nth, barrier)` that calls every launch's kernel in
-order with a barrier after each.
+order (through functions of STEP_PART launches each) with a barrier after each that a later launch depends on.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ JAM = 2  # vectors of lanes per iteration of a vector loop that holds reduces (r
 LANE_BLOCK = 64  # iterations of a reduce across lanes summed before joining its total
 PREFETCH = 4096  # bytes ahead that contiguous loads of large read-only byte buffers prefetch: quantized weights
 PREFETCH_MIN = 256 << 10  # stream from DRAM; smaller buffers (and f32 tiles, reused from cache) are left alone
+STEP_PART = 64  # launches per function of a program's step
 
 BARRIER_IR = """
 declare i32 @sched_yield()
@@ -943,14 +944,23 @@ def program_module(launch_slots, kernels, width, triple) -> L.Module:
     for k in kernels:
         if k.key() not in fns:
             fns[k.key()] = KernelLowering(m, k, width).lower()
-    step = L.Function(m, L.FunctionType(VOID, [PTR, PTR, I32, I32, PTR]), name="jl_step")
-    bufs, scal, tid, nth, bar = step.args
-    b = L.IRBuilder(step.append_basic_block("entry"))
-    for i, (key, bslots, sslots, sync) in enumerate(launch_slots):
-        args = [b.load(b.gep(bufs, [L.Constant(I32, s)], source_etype=PTR), typ=PTR) for s in bslots]
-        args += [b.load(b.gep(scal, [L.Constant(I32, s)], source_etype=I32), typ=I32) for s in sslots]
-        b.call(fns[key], args + [tid, nth, bar])
-        if sync or i == len(launch_slots) - 1:
-            b.call(barrier, [bar, nth])
-    b.ret_void()
+    sig = L.FunctionType(VOID, [PTR, PTR, I32, I32, PTR])
+    step = L.Function(m, sig, name="jl_step")
+    sb = L.IRBuilder(step.append_basic_block("entry"))
+    # the launches go in parts of STEP_PART, each its own function: code generation of one function of
+    # thousands of calls (a 1B model's prefill step: 5,888 launches) took a minute, that of the parts seconds
+    for p0 in range(0, len(launch_slots), STEP_PART):
+        part = L.Function(m, sig, name=f"jl_part{p0 // STEP_PART}")
+        part.attributes.add("noinline")
+        bufs, scal, tid, nth, bar = part.args
+        b = L.IRBuilder(part.append_basic_block("entry"))
+        for i, (key, bslots, sslots, sync) in enumerate(launch_slots[p0:p0 + STEP_PART], p0):
+            args = [b.load(b.gep(bufs, [L.Constant(I32, s)], source_etype=PTR), typ=PTR) for s in bslots]
+            args += [b.load(b.gep(scal, [L.Constant(I32, s)], source_etype=I32), typ=I32) for s in sslots]
+            b.call(fns[key], args + [tid, nth, bar])
+            if sync or i == len(launch_slots) - 1:
+                b.call(barrier, [bar, nth])
+        b.ret_void()
+        sb.call(part, list(step.args))
+    sb.ret_void()
     return m
