@@ -10,10 +10,10 @@ Mapping (every kernel function uses blocks of BLOCK threads):
     thread per (iteration, vector index) pair: an elementwise op over a few tokens still fills the GPU.
   - A parallel loop whose body holds a "reduce"-kind Reduce, a vector Loop or a Barrier runs cooperatively: one
     block per iteration when its extent is a small constant or known only at run time (few iterations -- tokens,
-    heads of a decode step: give each more lanes), else one warp per iteration. The lanes split the vector loops and the outermost "reduce" Reduces (warp shuffles, then shared
-    memory across the block's warps); everything else runs redundantly on every lane, with stores and atomics by
-    lane 0 (followed by a lane sync when the iteration also reads that buffer). Other parallel loops run one
-    iteration per thread.
+    heads of a decode step: give each more lanes), else one warp per iteration. The lanes split the vector loops
+    and the outermost "reduce" Reduces (warp shuffles, then shared memory across the block's warps); everything
+    else runs redundantly on every lane, with stores and atomics by lane 0 (followed by a lane sync when the
+    iteration also reads that buffer). Other parallel loops run one iteration per thread.
   - Extents known only at run time (they depend on scalars) use grid-stride loops over DYN_BLOCKS blocks, so a
     launch's grid never depends on the step's values.
   - Top-level Let/Local/Assign are replayed at the start of every later task (they are cheap and uniform).
@@ -581,7 +581,7 @@ class _Function:
     def vector_reduce(self, e: ir.Reduce, t: str, loads: dict) -> str:
         """A thread's reduction, `step` steps per iteration: uint4 loads of each buffer and base (16 bytes each,
         as many as the step needs), then the steps in order, each reading its elements out of the loaded words."""
-        step = max(w for _, _, w in loads.values())
+        step, outer = max(w for _, _, w in loads.values()), self.vector   # outer: an enclosing one's elements
         o = self.fresh("o", "jl")
         self.open(f"for (int {o} = 0; {o} < {int(e.extent.value)}; {o} += {step})")
         words = {}   # C element at which a uint4 starts -> its variable
@@ -595,15 +595,15 @@ class _Function:
                 qs.append(words[at])
             loads[lid] = (buf, qs, w)
         for j in range(step):
-            self.vector = {}
+            self.vector = dict(outer)
             for lid, (buf, qs, w) in loads.items():
-                byte = j % w * (VECTOR_BYTES // w)
-                self.vector[lid] = _element(self.k.buffers[buf].dtype, f"{qs[j // w]}.{'xyzw'[byte // 4]}", byte % 4 * 8)
+                byte, dtype = j % w * (VECTOR_BYTES // w), self.k.buffers[buf].dtype
+                self.vector[lid] = _element(dtype, f"{qs[j // w]}.{'xyzw'[byte // 4]}", byte % 4 * 8)
             self.scopes[-1][e.var] = f"jl_wadd({o}, {j})"
             saved, self.coop = self.coop, False
             val = self.ex(e.value)
             self.coop = saved
             self.line(f"{t} = jl_{e.op}({t}, {val});")
-        self.vector = {}
+        self.vector = outer
         self.close()
         return t
