@@ -17,7 +17,9 @@ file's size (Q4_K: 4.6 bits per weight instead of 4.5, its packed 6-bit scales w
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -348,13 +350,33 @@ def packed_format(fmt: Format, rows: int) -> Format:
     return fmt if isinstance(packed, Interleaved) and rows % ROWS else packed
 
 
+REPACK_PART_BYTES = 1 << 20   # the least a thread of the repacking pool takes
+
+
+@functools.cache
+def _pool():
+    return concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="jitllm-repack")
+
+
 def repack(fmt: Format, raw: np.ndarray, rows: int) -> np.ndarray:
     """raw bytes of fmt's blocks (a tensor of `rows` rows) -> the same values in packed_format(fmt, rows)'s
-    layout (uint8)."""
-    if packed_format(fmt, rows) is fmt:
+    layout (uint8). Parts of whole row groups are packed on every core at once (NumPy releases the GIL): a
+    model's load is mostly this."""
+    packed = packed_format(fmt, rows)
+    if packed is fmt:
         return raw
-    blocks = np.asarray(raw, np.uint8).reshape(-1, fmt.unit)
-    return np.ascontiguousarray(REPACK[fmt.name][1](blocks, rows)).reshape(-1)
+    blocks, pack = np.asarray(raw, np.uint8).reshape(-1, fmt.unit), REPACK[fmt.name][1]
+    per_row, groups = len(blocks) // rows, rows // ROWS
+    n = max(1, min(os.cpu_count() or 1, groups, blocks.nbytes // REPACK_PART_BYTES))
+    bounds = [ROWS * (groups * i // n) for i in range(n + 1)]
+    out = np.empty(rows * per_row * packed.unit, np.uint8)
+
+    def part(i):
+        r0, r1 = bounds[i], bounds[i + 1]
+        out[r0 * per_row * packed.unit:r1 * per_row * packed.unit] = \
+            np.asarray(pack(blocks[r0 * per_row:r1 * per_row], r1 - r0)).reshape(-1)
+    list(_pool().map(part, range(n)))
+    return out
 
 
 def get_format(type_name, cols, where=""):
