@@ -186,8 +186,7 @@ class KernelLowering:
     def stmt(self, s):
         b = self.b
         if isinstance(s, ir.Store):
-            dt = self.k.buffers[s.buf].dtype
-            b.store(self.to_storage(dt, self.expr(s.value)), self.element(s.buf, [self.expr(t) for t in _index_terms(s.index)]))
+            self.store(s.buf, [self.expr(t) for t in _index_terms(s.index)], self.expr(s.value))
         elif isinstance(s, ir.AtomicAdd):
             dt = self.k.buffers[s.buf].dtype
             if dt not in ("f32", "i32"):
@@ -234,10 +233,10 @@ class KernelLowering:
             ptr = self.b.gep(ptr, [self.b.sext(v, I64)], source_etype=etype or STORAGE[self.k.buffers[buf].dtype])
         return ptr
 
-    def load(self, buf, idx, parts=None):
-        b, dt = self.b, self.k.buffers[buf].dtype
-        v = b.load(self.element(buf, parts or [idx]), typ=STORAGE[dt])
-        return self.from_storage(dt, v)
+    def load(self, buf, parts):
+        """Element sum(parts) of buf, in its compute type."""
+        dt = self.k.buffers[buf].dtype
+        return self.from_storage(dt, self.b.load(self.element(buf, parts), typ=STORAGE[dt]))
 
     def from_storage(self, dt, v):
         b, ty = self.b, _shaped_like(v)
@@ -269,9 +268,9 @@ class KernelLowering:
             return L.Constant(L.VectorType(t, v.type.count), [c] * v.type.count)
         return L.Constant(t, c)
 
-    def store(self, buf, idx, v):
-        dt = self.k.buffers[buf].dtype
-        self.b.store(self.to_storage(dt, v), self.b.gep(self.ptrs[buf], [idx], source_etype=STORAGE[dt]))
+    def store(self, buf, parts, v):
+        """v into element sum(parts) of buf."""
+        self.b.store(self.to_storage(self.k.buffers[buf].dtype, v), self.element(buf, parts))
 
     # ------------------------------------------------------------------ scalar expressions
     def expr(self, e):
@@ -283,7 +282,7 @@ class KernelLowering:
                 return b.load(self.mutable[e.name], typ=COMPUTE[e.dtype])
             return self.env[e.name]
         if isinstance(e, ir.Load):
-            return self.load(e.buf, None, [self.expr(t) for t in _index_terms(e.index)])
+            return self.load(e.buf, [self.expr(t) for t in _index_terms(e.index)])
         if isinstance(e, ir.Bin):
             return self.binop(e.op, self.expr(e.a), self.expr(e.b), e.a.dtype)
         if isinstance(e, ir.Un):
@@ -475,7 +474,7 @@ class KernelLowering:
             parts = [self.vexpr(t, venv) for t in _index_terms(e.index)]
             dt = self.k.buffers[e.buf].dtype
             if all(p.kind == "u" for p in parts):
-                return VVal("u", self.load(e.buf, None, [p.val for p in parts]))
+                return VVal("u", self.load(e.buf, [p.val for p in parts]))
             if all(p.kind != "v" for p in parts) and sum(p.stride for p in parts) == 1:
                 vt = L.VectorType(STORAGE[dt], self.W)
                 ptr = self.element(e.buf, [p.val for p in parts])
