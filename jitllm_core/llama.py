@@ -317,14 +317,14 @@ class Llama:
         fmt = self._file_format(name, shape)
         return packed_format(fmt, shape[0]) if interleave else fmt
 
-    def _mm(self, name, x, y, rows, cols, acc=False, bias=None, logits=False, prefill=False, interleave=True):
-        """Matmul launches; only the LM head starts at the step's `t0`, layers need every token. For prefill on
-        an interleaving device, the weights are first dequantized to f32 once and reused by every token of the
-        step, and the input is read transposed (`xt`, written by `_transposed`)."""
+    def _mm(self, name, x, y, rows, cols, acc=False, bias=None, logits=False, gemm=False, interleave=True):
+        """Matmul launches; only the LM head starts at the step's `t0`, layers need every token. With `gemm` (a
+        prefill step on an interleaving device), the weights are first dequantized to f32 once and reused by
+        every token of the step, and the input is read transposed (`xt`, written by `_transposed`)."""
         fmt = self.fmt(name, (rows, cols), interleave)
         bufs = {"y": f"a:{y}", **({"b": f"w:{bias}"} if bias else {})}
         scalars = {} if logits else {"t0": "zero"}
-        if not (prefill and interleave):
+        if not gemm:
             sums = {"xs": "a:xs"} if fmt.sums else {}
             return [LaunchTemplate(ops.matmul(fmt, rows, cols, self.T, acc, bias is not None, not interleave),
                                    {"w": f"w:{name}", "x": f"a:{x}", **bufs, **sums}, scalars)]
@@ -338,19 +338,18 @@ class Llama:
                                    {"w": "a:wdq", "xt": "a:xt", **bufs}, {**scalars, **at})]
         return out
 
-    def _sums(self, x, cols, unit, names, prefill=False, interleave=True):
-        """For decode, the launch that writes activation x's block sums into `xs`, when a matmul of weights
-        `names` (of `unit`) reads them."""
+    def _sums(self, x, cols, unit, names, gemm=False, interleave=True):
+        """The launch that writes activation x's block sums into `xs`, when the matmuls of weights `names` (of
+        `unit`) read them: those of interleaved layouts, unless `gemm` replaces them."""
         shapes = self.weight_shapes(unit)
         spans = {self.fmt(n, shapes[n][0], interleave).sums for n in names} - {0}
-        if prefill or not spans:
+        if gemm or not spans:
             return []
         span, = spans
         return [LaunchTemplate(ops.block_sums(cols, self.T, span), {"x": f"a:{x}", "xs": "a:xs"})]
 
-    def _transposed(self, x, cols, prefill, interleave):
+    def _transposed(self, x, cols, gemm):
         """For prefill's gemms, the launch that writes activation x transposed into `xt`, where they read it."""
-        gemm = prefill and interleave
         return [LaunchTemplate(ops.transpose(cols, self.T), {"x": f"a:{x}", "xt": "a:xt"})] if gemm else []
 
     def unit_launches(self, unit, prefill=False, interleave=True):
@@ -369,9 +368,10 @@ class Llama:
         b = (lambda n: p + n + ".bias") if c.bias else (lambda n: None)
         cache = dict(page=self.page, n_pages=self.n_pages, max_pages=self.n_pages, kv_dtype=self.kv_dtype)
         kvb = {"ptab": "kv:ptab", "kc": "kv:k", "vc": "kv:v"}
-        mm = functools.partial(self._mm, prefill=prefill, interleave=interleave)
-        tr = functools.partial(self._transposed, prefill=prefill, interleave=interleave)
-        sm = lambda x, cols, *names: self._sums(x, cols, unit, [p + n + ".weight" for n in names], prefill, interleave)
+        gemm = prefill and interleave   # a GPU's prefill runs the decode matmul for every token instead
+        mm = functools.partial(self._mm, gemm=gemm, interleave=interleave)
+        tr = functools.partial(self._transposed, gemm=gemm)
+        sm = lambda x, cols, *names: self._sums(x, cols, unit, [p + n + ".weight" for n in names], gemm, interleave)
         return [
             LaunchTemplate(ops.rmsnorm(c.dim, T, c.eps), {"x": "a:x", "w": f"w:{p}attn_norm.weight", "out": "a:xn"}),
             *tr("xn", c.dim), *sm("xn", c.dim, "attn_q", "attn_k", "attn_v"),

@@ -154,7 +154,8 @@ def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, chunk=0, il
             tok = tq + j
             c = ir.Var("c")
             xv = k.load("xt", (g * cols + c) * tokens + j)
-            w = (lambda r: k.load("w", r * cols + c)) if il == 1 else (lambda r: k.load("w", (r // il * cols + c) * il + r % il))
+            w = (lambda r: k.load("w", r * cols + c)) if il == 1 else \
+                (lambda r: k.load("w", (r // il * cols + c) * il + r % il))
             dots = [k.let(f"d{i}", ir.Reduce("add", "c", ir.as_expr(cols), w(r0 + i) * xv))
                     for i in range(R)]
             with k.if_(ir.Bin("land", tok >= t0, tok < n)):

@@ -177,7 +177,7 @@ class VulkanDevice(Device):
                          max_buffer_bytes=int(m3.maxMemoryAllocationSize),
                          # lavapipe runs workgroups on the CPU's threads; Vulkan does not say how many threads a
                          # GPU runs at once (thousands on any GPU)
-                         threads=os.cpu_count() or 1 if cpu else 1 << 14,
+                         threads=(os.cpu_count() or 1) if cpu else 1 << 14,
                          extra={"device_name": props.deviceName, "device_type": kinds.get(props.deviceType, "other"),
                                 "api_version": f"{api[0]}.{api[1]}", "subgroup_ops": subgroup_ops,
                                 "max_storage_buffer_range": max_range, "max_workgroup_size": lanes})
