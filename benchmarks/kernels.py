@@ -2,6 +2,7 @@
 
 - decode matvecs of each packed layout (one token), weights from memory (copies rotated past the caches) and
   from cache (one copy repeated): GB/s and G weights/s;
+- matvecs of the file's layouts, the dot in its CPU form and in the form GPUs get;
 - prefill pieces of the 1B shape's matrices (32 tokens in a 64-token step): dequantization by chunks, the gemm
   tile, both in turn;
 - the gemm tile with all its inputs in L1: the core's f32 multiply-add ceiling.
@@ -18,17 +19,24 @@ from jitllm_core.plugin import Launch
 
 DECODE = [("Q4_1", 1536, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576), ("Q4_K", 8192, 2048),
           ("Q4_K", 2048, 8192), ("Q6_K", 2048, 8192)]
+FILE = [("Q4_1", 1536, 576), ("Q8_0", 4096, 576), ("Q4_K", 2048, 2048), ("Q6_K", 2048, 2048)]
 PREFILL = [("Q4_K", 8192, 2048), ("Q4_K", 2048, 2048), ("Q6_K", 2048, 8192)]
 HALVES = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [208]}  # f16 fields of a block
 
 
-def packed_tensor(name, rows, cols, rng):
-    """Random blocks of a GGUF format (finite f16 scales), in the layout the engine holds them."""
+def file_tensor(name, rows, cols, rng):
+    """Random blocks of a GGUF format (finite f16 scales): (format, bytes)."""
     fmt = quant.get_format(name, cols)
     raw = rng.integers(0, 256, (rows * cols // fmt.block, fmt.unit)).astype(np.uint8)
     for o in HALVES[name]:
         raw[:, o:o + 2] = (rng.standard_normal(len(raw)) * 0.01).astype(np.float16).view(np.uint8).reshape(-1, 2)
-    return quant.packed_format(fmt, rows), quant.repack(fmt, raw.reshape(-1), rows)
+    return fmt, raw.reshape(-1)
+
+
+def packed_tensor(name, rows, cols, rng):
+    """Random blocks of a GGUF format, in the layout the engine holds them on a CPU."""
+    fmt, raw = file_tensor(name, rows, cols, rng)
+    return quant.packed_format(fmt, rows), quant.repack(fmt, raw, rows)
 
 
 def upload(dev, arr):
@@ -63,6 +71,21 @@ def decode(dev, rng):
         print(f"{fmt.name:6} {rows:6d} x {cols:5d}   {w.nbytes / t_mem / 1e9:5.1f} GB/s {rows * cols / t_mem / 1e9:5.1f} Gw/s"
               f"   {rows * cols / t_cache / 1e9:5.1f} Gw/s")
         for b in ws + list(bufs.values()):
+            dev.free(b)
+
+
+def file_layouts(dev, rng):
+    """The file's layouts (a CPU reads them for row counts that are not multiples of 16): the dot's CPU form
+    against the form GPUs get (Format.row_dot(wide=True)), from cache."""
+    print("\nfile layout matvec, 1 token, from cache    CPU form        GPU form")
+    for name, rows, cols in FILE:
+        fmt, w = file_tensor(name, rows, cols, rng)
+        bufs = {"w": upload(dev, w), "x": upload(dev, rng.standard_normal(cols).astype(np.float32)),
+                "y": dev.alloc(rows * 4)}
+        rates = [rows * cols / (seconds(dev.program([Launch(ops.matmul(fmt, rows, cols, 1, wide=wide), bufs)] * 5),
+                                        {"n_tokens": 1, "t0": 0}) / 5) / 1e9 for wide in (False, True)]
+        print(f"{fmt.name:6} {rows:6d} x {cols:5d}                  {rates[0]:5.1f} Gw/s      {rates[1]:5.1f} Gw/s")
+        for b in bufs.values():
             dev.free(b)
 
 
@@ -108,6 +131,7 @@ def main():
     dev.configure(threads=args.threads)
     rng = np.random.default_rng(0)
     decode(dev, rng)
+    file_layouts(dev, rng)
     prefill(dev, rng)
     ceiling(dev, rng)
 

@@ -66,8 +66,8 @@ class Format:
         """sum_c W[row, c] * x(c). Narrow (CPU lanes): a "reduce" Reduce over blocks of the sum over the block's
         groups (constants, so that scale lookups fold) of a vector Reduce over the group's lanes. Wide (a GPU's
         warp per row): one "reduce" Reduce over (block, lane) pairs, so that neighbouring lanes read neighbouring
-        bytes of a block and all of them have work however few blocks a row has (on a CPU that form measured
-        15-20x slower: its lanes would gather every block's scales)."""
+        bytes of a block and all of them have work however few blocks a row has (on a CPU that form runs ~20x
+        slower, its lanes gathering every block's scales: benchmarks/kernels.py)."""
         nb = cols // self.block
 
         def terms(b, g, l):
