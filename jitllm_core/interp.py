@@ -86,6 +86,8 @@ def _binary(op, a, b):
             return _wrap(a << (b & 31))
         if op == "shr":
             return a >> (b & 31)
+        if op == "dot4":
+            return sum(((a >> 8 * i) & 255) * ((((b >> 8 * i) & 255) ^ 128) - 128) for i in range(4))
     return {"lt": a < b, "le": a <= b, "gt": a > b, "ge": a >= b, "eq": a == b, "ne": a != b}[op]
 
 

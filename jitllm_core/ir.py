@@ -5,7 +5,8 @@ A Kernel has buffer parameters (storage dtype, read/write), i32 scalar parameter
 Types. Buffers have a *storage* dtype (f32, f16, bf16, u8, i8, i32). Expressions have a *compute* dtype:
 f32, i32 or bool. A Load converts storage -> compute (f16/bf16 -> f32, u8/i8 -> i32) and a Store converts
 compute -> storage (f32 -> f16 rounds to nearest even). Backends therefore never need half arithmetic.
-Indices are flat element indices (i32).
+Indices are flat element indices (i32). i32 has bitwise ops besides arithmetic, and `dot4` (a sum of 4 byte
+products, exact: quantized weights times int8 digits of activations).
 
 Structure. The top-level statements of a kernel run in order. A top-level `Loop(kind="parallel")` spreads its
 iterations over threads / workgroups; iterations must be independent. A top-level `Barrier()` waits until every
@@ -31,7 +32,7 @@ LOOP_KINDS = ("serial", "parallel", "vector", "unroll")
 REDUCE_KINDS = ("reduce", "vector", "serial", "unroll")
 REDUCE_OPS = ("add", "max", "min")
 ARITH = ("add", "sub", "mul", "div", "mod", "min", "max")
-BITWISE = ("and", "or", "xor", "shl", "shr")
+BITWISE = ("and", "or", "xor", "shl", "shr", "dot4")  # dot4: see `dot4`
 COMPARE = ("lt", "le", "gt", "ge", "eq", "ne")
 LOGIC = ("land", "lor")
 UNARY = {  # name -> (argument dtype or None for "same", result dtype or None for "same")
@@ -177,6 +178,13 @@ def i32(x) -> Expr:
 def select(c, a, b) -> Expr:
     a = as_expr(a, b.dtype if isinstance(b, Expr) else "i32")
     return Select(as_expr(c), a, as_expr(b, a.dtype))
+
+
+def dot4(a, b) -> Expr:
+    """The sum of the products of a's 4 bytes, read unsigned, with b's 4 bytes, read signed (byte i with byte i):
+    4 quantized weights times 4 int8 digits of activations, summed exactly in i32. One lane of x86's VNNI
+    vpdpbusd, CUDA's dp4a.u32.s32; plain integer arithmetic elsewhere."""
+    return Bin("dot4", as_expr(a), as_expr(b))
 
 
 def vmin(a, b):

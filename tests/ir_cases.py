@@ -107,6 +107,29 @@ def lane_idioms(groups=3, n=16):
     return k
 
 
+def byte_dots(groups=2, n=16, steps=6):
+    """dot4 as quantized dots use it: words of a byte buffer read by lanes 4 bytes apart, masked to nibbles, times
+    uniform words (an unrolled reduce whose dot4s add into their chains); lane-varying on both sides; scalar."""
+    k = ir.Kernel("byte_dots")
+    k.buffer("w", "u8", groups * steps * n * 4), k.buffer("x", "i32", steps * 2), k.buffer("a", "i32", groups * n)
+    k.buffer("o", "i32", groups * n * 3, True), k.buffer("s", "i32", groups, True)
+    with k.parallel("g", groups) as g:
+        with k.loop("l", n, "vector") as l:
+            def word(j):
+                i = ((g * steps + j) * n + l) * 4
+                return k.load("w", i) | (k.load("w", i + 1) << 8) | (k.load("w", i + 2) << 16) | (k.load("w", i + 3) << 24)
+
+            def step(j):
+                return ir.dot4(word(j) & 0x0F0F0F0F, k.load("x", 2 * j)) + \
+                    ir.dot4((word(j) >> 4) & 0x0F0F0F0F, k.load("x", 2 * j + 1))
+            r = g * n + l
+            k.store("o", r * 3, ir.reduce("add", "j", steps, step, "unroll"))
+            k.store("o", r * 3 + 1, ir.dot4(word(0), k.load("a", r)))
+            k.store("o", r * 3 + 2, ir.dot4(k.load("a", r), k.load("x", l % (2 * steps))))
+        k.store("s", g, ir.dot4(k.load("a", g), k.load("x", g)))
+    return k
+
+
 def reductions(rows=5, cols=45):
     k = ir.Kernel("reductions")
     k.buffer("x", "f32", rows * cols), k.buffer("o", "f32", rows * 8, True)
@@ -211,6 +234,7 @@ CASES = {
     "half_bits": (half_bits, {}),
     "word_bits": (word_bits, {}),
     "lane_idioms": (lane_idioms, {}),
+    "byte_dots": (byte_dots, {}),
     "reductions": (reductions, {"n": 13}),
     "long_reduction": (long_reduction, {}),
     "vector_loops": (vector_loops, {}),
@@ -234,6 +258,10 @@ def inputs_for(k: ir.Kernel, seed=0):
                                     np.uint8).copy()
     if k.name == "word_bits":
         bufs["raw"] = rng.standard_normal(k.buffers["raw"].size // 4).astype(np.float32).view(np.uint8).copy()
+    if k.name == "byte_dots":  # every bit pattern, the extreme bytes included
+        for name in ("x", "a"):
+            bufs[name] = rng.integers(-2**31, 2**31, k.buffers[name].size).astype(np.int32)
+        bufs["x"][:2], bufs["a"][:2] = [-0x7F7F7F80, 0x7F7F7F7F], [-1, -1]
     if k.name == "lane_idioms":
         bufs["h16"] = rng.standard_normal(k.buffers["h16"].size // 2).astype(np.float16).view(np.uint8).copy()
         bufs["w32"] = rng.standard_normal(k.buffers["w32"].size // 4).astype(np.float32).view(np.uint8).copy()

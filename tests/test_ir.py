@@ -69,6 +69,26 @@ def test_cpu_matches_interpreter(cpu, case):
     assert_matches_interpreter(cpu, k, inputs_for(k), scalars)
 
 
+def test_cpu_dot4_without_vnni(cpu, monkeypatch):
+    """The lowering for CPUs without AVX-512 VNNI (bytes widened and multiplied), on this one."""
+    from jitllm_cpu_llvm import runtime
+    monkeypatch.setattr(runtime, "vnni", lambda: False)
+    k = CASES["byte_dots"][0]()
+    assert_matches_interpreter(cpu, k, inputs_for(k), {})
+
+
+def test_interpreter_dot4_matches_numpy():
+    rng = np.random.default_rng(4)
+    a, b = (rng.integers(-2**31, 2**31, 64).astype(np.int32) for _ in range(2))
+    k = ir.Kernel("dot4")
+    k.buffer("a", "i32", 64), k.buffer("b", "i32", 64), k.buffer("o", "i32", 64, True)
+    with k.parallel("i", 64) as i:
+        k.store("o", i, ir.dot4(k.load("a", i), k.load("b", i)))
+    got = interp.run(k.finish(), {"a": a, "b": b, "o": np.zeros(64, np.int32)})["o"]
+    want = (a.view(np.uint8).reshape(64, 4).astype(np.int64) * b.view(np.int8).reshape(64, 4)).sum(1)
+    np.testing.assert_array_equal(got, want)
+
+
 @settings(max_examples=10, deadline=None)
 @given(rows=st.integers(1, 13), cols=st.integers(1, 70), kind=st.sampled_from(ir.REDUCE_KINDS))
 def test_cpu_matvec_random_shapes(cpu, rows, cols, kind):

@@ -94,8 +94,8 @@ def _identity(op, dtype):
 
 
 class KernelLowering:
-    def __init__(self, module: L.Module, kernel: ir.Kernel, width: int):
-        self.k, self.W = kernel, width
+    def __init__(self, module: L.Module, kernel: ir.Kernel, width: int, vnni=False):
+        self.k, self.W, self.vnni = kernel, width, vnni
         args = [PTR] * len(kernel.buffers) + [I32] * len(kernel.scalars) + [I32, I32, PTR]
         self.fn = L.Function(module, L.FunctionType(VOID, args), name=f"k_{kernel.name}_{kernel.key()}")
         self.fn.attributes.add("noinline")
@@ -326,12 +326,31 @@ class KernelLowering:
                 r = b.srem(x, b.select(safe, self.splat_like(y, I32, 1), y))
                 return b.select(safe, neg if op == "div" else self.splat_like(y, I32, 0), q if op == "div" else r)
             return b.sdiv(x, y) if op == "div" else b.srem(x, y)
+        if op == "dot4":
+            return self.dot4(x, y)
         if op in ("shl", "shr"):
             amt = b.and_(y, self.splat_like(y, I32, 31))
             return b.shl(x, amt) if op == "shl" else b.ashr(x, amt)
         if op in ("min", "max"):
             return b.select(b.icmp_signed("<" if op == "min" else ">", y, x), y, x)
         return b.icmp_signed({"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}[op], x, y)
+
+    def dot4(self, x, y, acc=None):
+        """IR dot4 of x and y (plus acc): one vpdpbusd for 16 lanes where the CPU has AVX-512 VNNI (the add into
+        acc included), else the bytes widened, multiplied and summed in fours."""
+        b = self.b
+        n = x.type.count if isinstance(x.type, L.VectorType) else 1
+        if self.vnni and n == 16:
+            bt = L.VectorType(I8, 64)
+            fn = self.declare("llvm.x86.avx512.vpdpbusd.512", x.type, [x.type, bt, bt])
+            return b.call(fn, [L.Constant(x.type, None) if acc is None else acc, b.bitcast(x, bt), b.bitcast(y, bt)])
+        bt, wt = L.VectorType(I8, 4 * n), L.VectorType(I32, 4 * n)
+        prod = b.mul(b.zext(b.bitcast(x, bt), wt), b.sext(b.bitcast(y, bt), wt))
+        fours = [b.shuffle_vector(prod, prod, L.Constant(L.VectorType(I32, n), list(range(i, 4 * n, 4))))
+                 for i in range(4)]
+        v = b.add(b.add(fours[0], fours[1]), b.add(fours[2], fours[3]))
+        v = v if n > 1 else b.extract_element(v, L.Constant(I32, 0))
+        return v if acc is None else b.add(acc, v)
 
     def unop(self, op, x, dt):
         b = self.b
@@ -533,19 +552,26 @@ class KernelLowering:
 
     def unrolled_reduce(self, e, venv):
         """An unrolled reduce in a vector body: its iterations' summands spread over UNROLL_ACCS chains of
-        multiply-adds, so that the add latency does not bound it, joined at the end."""
+        multiply-adds (or of dot4s, each adding into its chain), so that the add latency does not bound it,
+        joined at the end."""
         dt, chains, n = e.value.dtype, [], 0
         for j in range(e.extent.value):
             saved = self.memo
             self.memo = dict(saved)  # values of the enclosing body stay shared; this iteration's are its own
             # consecutive iterations read consecutive vectors of bytes (interleaved weights): one prefetch per line
             self.prefetching = j % max(1, 64 // self.W) == 0
+            env = {**venv, e.var: VVal("u", L.Constant(I32, j))}
             for t in _terms(e.value) if e.op == "add" else [e.value]:
-                v = self.to_vec(self.vexpr(t, {**venv, e.var: VVal("u", L.Constant(I32, j))}), dt)
-                if len(chains) < UNROLL_ACCS:
+                chain = chains[n % UNROLL_ACCS] if len(chains) == UNROLL_ACCS else None
+                if e.op == "add" and isinstance(t, ir.Bin) and t.op == "dot4":
+                    v = self.dot4(self.to_vec(self.vexpr(t.a, env), "i32"), self.to_vec(self.vexpr(t.b, env), "i32"), chain)
+                else:
+                    v = self.to_vec(self.vexpr(t, env), dt)
+                    v = v if chain is None else self.combine(e.op, chain, v, dt)
+                if chain is None:
                     chains.append(v)
                 else:
-                    chains[n % UNROLL_ACCS] = self.combine(e.op, chains[n % UNROLL_ACCS], v, dt)
+                    chains[n % UNROLL_ACCS] = v
                 n += 1
             self.memo = saved
         self.prefetching = True
@@ -930,7 +956,7 @@ def _children(e):
     return ()
 
 
-def program_module(launch_slots, kernels, width, triple) -> L.Module:
+def program_module(launch_slots, kernels, width, triple, vnni=False) -> L.Module:
     """One module: every distinct kernel, the barrier, and `step` that calls the launches in order.
 
     launch_slots: list of (kernel key, [buffer slot per buffer param], [scalar slot per scalar param],
@@ -942,7 +968,7 @@ def program_module(launch_slots, kernels, width, triple) -> L.Module:
     fns = {}
     for k in kernels:
         if k.key() not in fns:
-            fns[k.key()] = KernelLowering(m, k, width).lower()
+            fns[k.key()] = KernelLowering(m, k, width, vnni).lower()
     sig = L.FunctionType(VOID, [PTR, PTR, I32, I32, PTR])
     step = L.Function(m, sig, name="jl_step")
     sb = L.IRBuilder(step.append_basic_block("entry"))

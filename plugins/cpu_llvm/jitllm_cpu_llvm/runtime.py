@@ -49,6 +49,11 @@ def simd_width():
     return 16 if feats.get("avx512f") else 8 if feats.get("avx2") else 4
 
 
+def vnni():
+    """Whether this CPU multiplies bytes four to a lane (AVX-512 VNNI: IR dot4 in one instruction)."""
+    return bool(llvm.get_host_cpu_features().get("avx512vnni"))
+
+
 class Compiled:
     """A JIT-compiled program module, its object code cached on disk under `key` (what the module is made of:
     kernels, bindings, this lowering's source, the CPU), so that a warm start neither lowers nor compiles."""
@@ -131,10 +136,10 @@ class CpuProgram(Program):
         for i in barriers_needed(launches):
             slots[i][3] = True
         kernels = [ln.kernel for ln in launches]
-        key = digest(LOWERING, slots, simd_width(), llvm.get_process_triple(), llvm.get_host_cpu_name(),
+        key = digest(LOWERING, slots, simd_width(), vnni(), llvm.get_process_triple(), llvm.get_host_cpu_name(),
                      llvm.get_host_cpu_features().flatten(), llvmlite.__version__)
         self.compiled = device.compile(key, lambda: str(lower.program_module(slots, kernels, simd_width(),
-                                                                             llvm.get_process_triple())))
+                                                                             llvm.get_process_triple(), vnni())))
         self.scalar_slots = sslot
         self.keep = [b for _, b in bslot.values()]
         self.bufs = (ctypes.c_void_p * max(1, len(bslot)))(*[b.addr for _, b in sorted(bslot.values(), key=lambda t: t[0])])

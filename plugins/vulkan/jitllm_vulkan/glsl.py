@@ -116,6 +116,11 @@ HELPERS = {  # emitted only when used, in this order
   uint b = floatBitsToUint(f);
   return ((b + 0x7fffu + ((b >> 16) & 1u)) >> 16) & 0xffffu;
 }""",
+    "dot4": """int dot4(int a, int b) {  // IR dot4: a's bytes unsigned times b's signed
+  int s = 0;
+  for (int i = 0; i < 32; i += 8) s += int((uint(a) >> uint(i)) & 0xffu) * bitfieldExtract(b, i, 8);
+  return s;
+}""",
     "imod": "int imod(int a, int b) { return a - b * (a / b); }  // truncated, like C (GLSL % is not)",
     "fmod_": "float fmod_(float a, float b) { return a - b * trunc(a / b); }",
     "f2i": "int f2i(float x) { return abs(x) < 2147483648.0 ? int(x) : 0; }  // non-finite -> 0",
@@ -406,7 +411,7 @@ class _Segment:
             a, b = x(e.a), x(e.b)
             if e.op == "mod":
                 return f"{'imod' if e.a.dtype == 'i32' else 'fmod_'}({a}, {b})"
-            if e.op in ("min", "max"):
+            if e.op in ("min", "max", "dot4"):
                 return f"{e.op}({a}, {b})"
             if e.op in ("shl", "shr"):
                 return f"({a} {'<<' if e.op == 'shl' else '>>'} ({b} & 31))"
