@@ -14,10 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
-from . import ir, ops
+from . import ir, ops, quant
 from .cache import cache_dir, digest, write_atomic
 from .errors import ModelFileError
 from .quant import ROWS, dequant_kernel, get_format, packed_format, repack
+
+LAYOUTS = digest(Path(quant.__file__).read_bytes())  # a packed file is as new as the code that wrote its layout
 
 
 @dataclass
@@ -250,7 +252,9 @@ class Llama:
                 "wdq": ("f32", max((_chunk_rows(*shape) or shape[0]) * shape[1]
                                    for shape, as_f32 in self.weight_shapes(0).values() if not as_f32)),
                 "xt": ("f32", T * max(c.dim, q, c.ffn)),  # a matmul's input, transposed for prefill
-                "xs": ("f32", T * max(c.dim, q, c.ffn) // 32)}  # a matmul's input's block sums
+                # a matmul's input as the dot4 layouts read it (ops.quantize_input)
+                "xq": ("i32", T * max(c.dim, q, c.ffn) // 4 * quant.DIGITS), "xd": ("f32", T * max(c.dim, q, c.ffn) // 32),
+                "xs": ("f32", T * max(c.dim, q, c.ffn) // 16)}
 
     def activation_bytes(self):
         """What every device that runs a unit holds besides the units: activations, constants, a margin."""
@@ -290,7 +294,7 @@ class Llama:
             return repack(fmt, raw, shape[0])
         if packed.name not in self._held.get(name, {}):
             st = os.stat(self.mf.path)
-            key = digest(os.path.abspath(self.mf.path), st.st_size, st.st_mtime_ns, name, packed.name, packed.unit)
+            key = digest(os.path.abspath(self.mf.path), st.st_size, st.st_mtime_ns, name, packed.name, LAYOUTS)
             path = cache_dir("packed") / f"{key}.bin"
             if not path.exists():
                 write_atomic(path, repack(fmt, raw, shape[0]).tobytes())
@@ -325,9 +329,9 @@ class Llama:
         bufs = {"y": f"a:{y}", **({"b": f"w:{bias}"} if bias else {})}
         scalars = {} if logits else {"t0": "zero"}
         if not gemm:
-            sums = {"xs": "a:xs"} if fmt.sums else {}
+            digits = {"xq": "a:xq", "xd": "a:xd", "xs": "a:xs"} if fmt.digits else {}
             return [LaunchTemplate(ops.matmul(fmt, rows, cols, self.T, acc, bias is not None, not interleave),
-                                   {"w": f"w:{name}", "x": f"a:{x}", **bufs, **sums}, scalars)]
+                                   {"w": f"w:{name}", "x": f"a:{x}", **bufs, **digits}, scalars)]
         chunk, out = _chunk_rows(rows, cols), []
         for r0 in range(0, rows, chunk or rows):
             at = {"row0": f"row{r0}"} if chunk else {}
@@ -338,15 +342,14 @@ class Llama:
                                    {"w": "a:wdq", "xt": "a:xt", **bufs}, {**scalars, **at})]
         return out
 
-    def _sums(self, x, cols, unit, names, gemm=False, interleave=True):
-        """The launch that writes activation x's block sums into `xs`, when the matmuls of weights `names` (of
-        `unit`) read them: those of interleaved layouts, unless `gemm` replaces them."""
+    def _quantized(self, x, cols, unit, names, gemm=False, interleave=True):
+        """The launch that writes activation x as the dot4 layouts read it (`xq`, `xd`, `xs`), when a matmul of
+        weights `names` (of `unit`) is of one, unless `gemm` replaces them."""
         shapes = self.weight_shapes(unit)
-        spans = {self.fmt(n, shapes[n][0], interleave).sums for n in names} - {0}
-        if gemm or not spans:
+        if gemm or not any(self.fmt(n, shapes[n][0], interleave).digits for n in names):
             return []
-        span, = spans
-        return [LaunchTemplate(ops.block_sums(cols, self.T, span), {"x": f"a:{x}", "xs": "a:xs"})]
+        return [LaunchTemplate(ops.quantize_input(cols, self.T), {"x": f"a:{x}", "xq": "a:xq", "xd": "a:xd",
+                                                                  "xs": "a:xs"})]
 
     def _transposed(self, x, cols, gemm):
         """For prefill's gemms, the launch that writes activation x transposed into `xt`, where they read it."""
@@ -362,7 +365,7 @@ class Llama:
                                    {"tok": "a:tok", "w": "w:token_embd.weight", "x": "a:x"})]
         if unit == "head":
             return [LaunchTemplate(ops.rmsnorm(c.dim, T, c.eps), {"x": "a:x", "w": "w:output_norm.weight", "out": "a:xn"}),
-                    *self._sums("xn", c.dim, unit, [self.head_tensor], interleave=interleave),
+                    *self._quantized("xn", c.dim, unit, [self.head_tensor], interleave=interleave),
                     *self._mm(self.head_tensor, "xn", "logits", c.vocab, c.dim, logits=True, interleave=interleave)]
         p, q, kv = f"blk.{unit}.", c.n_head * c.head_dim, c.n_kv * c.head_dim
         b = (lambda n: p + n + ".bias") if c.bias else (lambda n: None)
@@ -371,7 +374,8 @@ class Llama:
         gemm = prefill and interleave   # a GPU's prefill runs the decode matmul for every token instead
         mm = functools.partial(self._mm, gemm=gemm, interleave=interleave)
         tr = functools.partial(self._transposed, gemm=gemm)
-        sm = lambda x, cols, *names: self._sums(x, cols, unit, [p + n + ".weight" for n in names], gemm, interleave)
+        sm = lambda x, cols, *names: self._quantized(x, cols, unit, [p + n + ".weight" for n in names], gemm,
+                                                     interleave)
         return [
             LaunchTemplate(ops.rmsnorm(c.dim, T, c.eps), {"x": "a:x", "w": f"w:{p}attn_norm.weight", "out": "a:xn"}),
             *tr("xn", c.dim), *sm("xn", c.dim, "attn_q", "attn_k", "attn_v"),

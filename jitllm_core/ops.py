@@ -10,7 +10,7 @@ import functools
 import math
 
 from . import ir
-from .quant import ROWS, Format, Interleaved
+from .quant import DIGITS, ROWS, Format, Input, Interleaved
 
 F = ir.f32
 
@@ -59,13 +59,14 @@ def rmsnorm(dim: int, T: int, eps: float) -> ir.Kernel:
 def matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=False, wide=False) -> ir.Kernel:
     """y[t, r] (+)= W[r, :] . x[t, :] (+ b[r]) for t in [t0, n_tokens); one quantized row per iteration (an
     interleaved format's: ROWS rows, a vector lane each), reused across the step's tokens while it is in cache.
-    Interleaved formats with offsets also read the input's block sums `xs` (`block_sums`). wide: the row's dot
-    in the form for a device of many threads (Format.row_dot)."""
+    The dot4 layouts (`Format.digits`) read the input as `quantize_input` writes it. wide: the row's dot in the
+    form for a device of many threads (Format.row_dot)."""
     k = ir.Kernel(f"matmul_{fmt.name}_{rows}x{cols}_T{T}{'_acc' if accumulate else ''}{'_bias' if bias else ''}"
                   f"{'_wide' if wide else ''}")
     k.buffer("w", fmt.storage, rows * fmt.row_units(cols)), k.buffer("x", "f32", T * cols)
-    if fmt.sums:
-        k.buffer("xs", "f32", T * (cols // fmt.sums))
+    if fmt.digits:
+        k.buffer("xq", "i32", T * cols // 4 * DIGITS), k.buffer("xd", "f32", T * cols // 32)
+        k.buffer("xs", "f32", T * cols // 16)
     if bias:
         k.buffer("b", "f32", rows)
     k.buffer("y", "f32", T * rows, True)
@@ -81,9 +82,7 @@ def matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=Fal
         with k.parallel("rg", rows // ROWS) as rg:
             with k.loop("t", n - t0, "serial", start=t0) as t:
                 with k.loop("ri", ROWS, "vector") as ri:
-                    xsum = (lambda s: k.load("xs", t * (cols // fmt.sums) + s)) if fmt.sums else None
-                    put(t, rg * ROWS + ri, k.let("dot", fmt.lane_dot(k, "w", rg, ri, cols,
-                                                                    lambda c: k.load("x", t * cols + c), xsum)))
+                    put(t, rg * ROWS + ri, k.let("dot", fmt.lane_dot(k, "w", rg, ri, cols, Input(k, t, cols))))
         return k.finish()
     with k.parallel("r", rows) as r:
         with k.loop("t", n - t0, "serial", start=t0) as t:
@@ -91,16 +90,36 @@ def matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=Fal
     return k.finish()
 
 
+DIGIT_MAX = 1 << 8 * DIGITS - 2  # the largest integer of an input element (exact in f32; its digits in range)
+
+
 @functools.cache
-def block_sums(cols: int, T: int, span: int) -> ir.Kernel:
-    """xs[t, s] = sum of x[t, s * span : (s + 1) * span]: the block sums interleaved formats' dots read (their
-    blocks' offsets times these), computed once per input instead of once per row."""
-    k = ir.Kernel(f"block_sums_{cols}_T{T}_{span}")
-    ns = cols // span
-    k.buffer("x", "f32", T * cols), k.buffer("xs", "f32", T * ns, True)
-    with k.parallel("ts", k.scalar("n_tokens") * ns) as ts:
-        base = ts // ns * cols + ts % ns * span
-        k.store("xs", ts, ir.reduce("add", "j", span, lambda j: k.load("x", base + j), "vector"))
+def quantize_input(cols: int, T: int) -> ir.Kernel:
+    """x -> what the dot4 layouts' dots read of it (quant.Input), once per input instead of once per row: per span
+    of 32 elements a scale, max |x| / DIGIT_MAX, and each element's integer round(x / scale) as DIGITS balanced
+    base-256 digits (each in [-128, 127], an int8 for dot4), digit i of 4 consecutive elements a byte each of a
+    word; per span of 16 the sum. x / scale, rounded to f32 first, keeps each element's 24 bits where it can
+    (|x| > 2^-6 max |x|), else 30 bits of the largest: activations as exact as f32 (a span's outlier would cost
+    its neighbours their low bits with fewer digits; with 8 bits, as llama.cpp quantizes activations, SmolLM2's
+    logits move by ~1)."""
+    k = ir.Kernel(f"quantize_input_{cols}_T{T}")
+    k.buffer("x", "f32", T * cols), k.buffer("xq", "i32", T * cols // 4 * DIGITS, True)
+    k.buffer("xd", "f32", T * cols // 32, True), k.buffer("xs", "f32", T * cols // 16, True)
+    with k.parallel("ts", k.scalar("n_tokens") * (cols // 32)) as ts:  # span ts of the step's inputs
+        x = lambda j: k.load("x", ts * 32 + j)
+        top = k.let("top", ir.reduce("max", "j", 32, lambda j: ir.Un("abs", x(j)), "vector"))
+        k.store("xd", ts, top * (1.0 / DIGIT_MAX))
+        inv = k.let("inv", float(DIGIT_MAX) / ir.vmax(top, 1e-30))  # a span of zeros stays zeros
+        for h in range(2):
+            k.store("xs", ts * 2 + h, ir.reduce("add", "j", 16, lambda j: x(16 * h + j), "vector"))
+        with k.loop("w", 8, "vector") as w:
+            # clamped: x / scale rounds to f32 first, and the span's largest could come out a step beyond
+            v = [ir.i32(ir.Un("floor", ir.vmin(ir.vmax(x(4 * w + j) * inv, -DIGIT_MAX), DIGIT_MAX) + 0.5))
+                 for j in range(4)]
+            for i in range(DIGITS):  # digit i's byte is v's low byte; v - digit, over 256, is the rest
+                k.store("xq", (ts * 8 + w) * DIGITS + i,
+                        (v[0] & 255) | ((v[1] & 255) << 8) | ((v[2] & 255) << 16) | (v[3] << 24))
+                v = [(e + 128) >> 8 for e in v]
     return k.finish()
 
 

@@ -50,7 +50,7 @@ class Format:
     storage: str      # buffer dtype
     groups: int       # vector groups per block
     lanes: int        # lanes per group
-    sums = 0          # span of the input's block sums a dot reads (interleaved formats with offsets), 0: none
+    digits = False    # dots read the input as integer digits (Input.word), scales and sums (ops.quantize_input)
     interleave = 1    # rows stored together (Interleaved: ROWS)
 
     def row_units(self, cols):
@@ -144,6 +144,33 @@ class Q6_K(Format):
 
 
 ROWS = 16  # rows stored together in the interleaved layouts: a vector of lanes, one row each
+NIBBLES = 0x0F0F0F0F
+DIGITS = 4  # signed base-256 digits of an activation's integer in the dot4 layouts' dots (ops.quantize_input)
+
+
+class Input:
+    """A token's row of a matmul's input as the dot of a block at element c0 = b * size reads it: `x(e)`, element
+    c0 + e; for the dot4 layouts (`Format.digits`, inputs written by `ops.quantize_input`), `word(i, e)`, digit i of
+    the integers of elements c0 + e .. c0 + e + 3, a byte each; `scale(e)`, the scale of those integers in the
+    span of 32 holding c0 + e; `sum(e)`, the f32 sum of the 16 elements from c0 + e."""
+
+    def __init__(self, k, t, cols, b=0, size=0):
+        self.k, self.t, self.cols, self.b, self.size = k, t, cols, b, size
+
+    def block(self, b, size):
+        return Input(self.k, self.t, self.cols, b, size)
+
+    def x(self, e):
+        return self.k.load("x", self.t * self.cols + self.b * self.size + e)
+
+    def word(self, i, e):
+        return self.k.load("xq", (self.t * (self.cols // 4) + self.b * (self.size // 4) + e // 4) * DIGITS + i)
+
+    def scale(self, e):
+        return self.k.load("xd", self.t * (self.cols // 32) + self.b * (self.size // 32) + e // 32)
+
+    def sum(self, e):
+        return self.k.load("xs", self.t * (self.cols // 16) + self.b * (self.size // 16) + e // 16)
 
 
 class Interleaved(Format):
@@ -151,58 +178,71 @@ class Interleaved(Format):
     offset `off` (in bytes per row); field (off, size) of row r lies at byte off * ROWS + r * size of the
     block's group, so that lanes that are rows load it contiguously. Row counts must be multiples of ROWS.
     A format gives, for one block of one row (`at`: its fields' byte indices), `block_dot` -- its dot product
-    with x(element of the block), reading xsum(s), the input's sum over the block's s-th span of `sums`
-    elements, when `sums` -- and `block_values`, its elements."""
+    with the input's block (an `Input`) -- and `block_values`, its elements."""
     interleave = ROWS
 
     def at(self, rg, b, nb, r):
         """field (off, size) of row r of block b of row group rg -> its byte index"""
         return lambda off, size: (rg * nb + b) * (self.unit * ROWS) + off * ROWS + r * size
 
-    def lane_dot(self, k, buf, rg, r, cols, x, xsum):
-        """Row r (a vector lane) of row group rg dotted with x(column)."""
-        nb, spans = cols // self.block, self.block // max(self.sums, 1)
-        return ir.reduce("add", "b", nb, lambda b: self.block_dot(
-            k, buf, self.at(rg, b, nb, r), lambda e: x(b * self.block + e), xsum and (lambda s: xsum(b * spans + s))))
+    def lane_dot(self, k, buf, rg, r, cols, inp):
+        """Row r (a vector lane) of row group rg dotted with the Input inp."""
+        nb = cols // self.block
+        return ir.reduce("add", "b", nb, lambda b: self.block_dot(k, buf, self.at(rg, b, nb, r),
+                                                                  inp.block(b, self.block)))
 
     def values(self, k, buf, rg, r, cols, b):
         """[(element of the block, value)] of row r of group rg, block b"""
         return self.block_values(k, buf, self.at(rg, b, cols // self.block, r))
 
-    def block_dot(self, k, buf, at, x, xsum):
+    def block_dot(self, k, buf, at, inp):
         raise NotImplementedError
 
     def block_values(self, k, buf, at):
         raise NotImplementedError
 
 
-def _nibble_dot(k, buf, at, off, x):
-    """sum of q * x(element) over the 32 elements of a 4-bit sub-block whose 16 bytes start at field `off`
-    (byte j: element j in the low nibble, j + 16 in the high one), q unscaled."""
-    def step(j):
-        q = k.load(buf, at(off, 1) + j * ROWS)
-        return F(q & 15) * x(j) + F(q >> 4) * x(j + 16)
-    return ir.reduce("add", "j", 16, step, "unroll")
+def _word(k, buf, i):
+    return _u16(k, buf, i) | (_u16(k, buf, i + 2) << 16)
+
+
+def _digit_dot(sums):
+    """sum q * integer over a sub-block, from its sums per digit (each exact in i32: at most 32 4-bit or 16 6-bit
+    q times a digit; the low two's sum stays in i32 too)."""
+    parts = [F((sums[1] << 8) + sums[0])] + [F(s) * float(256 ** i) for i, s in enumerate(sums) if i > 1]
+    return sum(parts[1:], parts[0])
+
+
+def _nibble_dot(k, buf, at, off, inp, e0):
+    """sum q * x over the 32 elements from e0 of a 4-bit sub-block whose 4 words start at field `off` (word w:
+    elements 4w .. 4w + 3 in its low nibbles, 16 + 4w .. in its high ones), q unscaled: a dot4 of each word's
+    nibbles with each digit of the input."""
+    def digit(i):
+        def step(w):
+            q = _word(k, buf, at(off + 4 * w, 4))
+            return ir.dot4(q & NIBBLES, inp.word(i, e0 + 4 * w)) + ir.dot4((q >> 4) & NIBBLES, inp.word(i, e0 + 16 + 4 * w))
+        return ir.reduce("add", "w", 4, step, "unroll")
+    return _digit_dot([digit(i) for i in range(DIGITS)]) * inp.scale(e0)
 
 
 def _nibbles(k, buf, at, off):
     out = []
-    for j in range(16):
-        q = k.load(buf, at(off + j, 1))
-        out += [(j, F(q & 15)), (j + 16, F(q >> 4))]
+    for w in range(4):
+        q = _word(k, buf, at(off + 4 * w, 4))
+        out += [(e + 4 * w + j, F((q >> (8 * j + 4 * (e // 16))) & 15)) for e in (0, 16) for j in range(4)]
     return out
 
 
 class Affine4(Interleaved):
-    """4-bit sub-blocks of 32 (nibble bytes as `_nibble_dot` reads them), each value = scale * q + offset."""
-    sums = 32
+    """4-bit sub-blocks of 32 (nibble words as `_nibble_dot` reads them), each value = scale * q + offset."""
+    digits = True
 
     def subs(self, k, buf, at):
-        """[(scale, offset, field of the 16 nibble bytes)] of the block's sub-blocks"""
+        """[(scale, offset, field of the 4 nibble words)] of the block's sub-blocks"""
         raise NotImplementedError
 
-    def block_dot(self, k, buf, at, x, xsum):
-        parts = [scale * _nibble_dot(k, buf, at, off, lambda j, s=s: x(32 * s + j)) + offset * xsum(s)
+    def block_dot(self, k, buf, at, inp):
+        parts = [scale * _nibble_dot(k, buf, at, off, inp, 32 * s) + offset * (inp.sum(32 * s) + inp.sum(32 * s + 16))
                  for s, (scale, offset, off) in enumerate(self.subs(k, buf, at))]
         return sum(parts[1:], parts[0])
 
@@ -212,24 +252,26 @@ class Affine4(Interleaved):
 
 
 class R4(Affine4):
-    """Blocks of 32 (Q4_0, Q4_1): [d f16][m f16][16 bytes of nibbles] per row; value = d * q + m."""
+    """Blocks of 32 (Q4_0, Q4_1): [d f16, m f16][4 words of nibbles] per row; value = d * q + m."""
     def subs(self, k, buf, at):
-        return [(_half(k, buf, at(0, 2)), _half(k, buf, at(2, 2)), 4)]
+        dm = _word(k, buf, at(0, 4))
+        return [(ir.f16bits(dm), ir.f16bits(dm >> 16), 4)]
 
 
 class R4K(Affine4):
-    """Q4_K's super-blocks of 256: [d f16][dmin f16][8 scales u8][8 mins u8][8 x 16 bytes of nibbles] per
-    row; sub-block s's value = d * scale_s * q - dmin * min_s."""
+    """Q4_K's super-blocks of 256: [d f16, dmin f16][8 scales u8][8 mins u8][8 x 4 words of nibbles] per row;
+    sub-block s's value = d * scale_s * q - dmin * min_s."""
     def subs(self, k, buf, at):
-        d, dmin = _half(k, buf, at(0, 2)), _half(k, buf, at(2, 2))
-        return [(d * F(k.load(buf, at(4 + s, 1))), -(dmin * F(k.load(buf, at(12 + s, 1)))), 20 + 16 * s)
-                for s in range(8)]
+        dm = _word(k, buf, at(0, 4))
+        d, dmin = ir.f16bits(dm), ir.f16bits(dm >> 16)
+        byte = lambda off, s: F((_word(k, buf, at(off + s // 4 * 4, 4)) >> 8 * (s % 4)) & 255)
+        return [(d * byte(4, s), -(dmin * byte(12, s)), 20 + 16 * s) for s in range(8)]
 
 
 class R8(Interleaved):
     """Q8_0's blocks of 32: [d f16][32 bytes of int8] per row; value = d * q."""
-    def block_dot(self, k, buf, at, x, xsum):
-        step = lambda j: F(_i8(k.load(buf, at(2, 1) + j * ROWS))) * x(j)
+    def block_dot(self, k, buf, at, inp):
+        step = lambda j: F(_i8(k.load(buf, at(2, 1) + j * ROWS))) * inp.x(j)
         return _half(k, buf, at(0, 2)) * ir.reduce("add", "j", 32, step, "unroll")
 
     def block_values(self, k, buf, at):
@@ -237,33 +279,44 @@ class R8(Interleaved):
 
 
 class R6(Interleaved):
-    """Q6_K's super-blocks of 256: [d f16][16 scales i8][16 x 8 bytes of low nibbles][16 x 4 bytes of high bit
-    pairs] per row. Element e of sub-block s (16 elements) keeps its low 4 bits in nibble e // 8 of byte e % 8
-    of s's 8 bytes, its high 2 bits at bit 2 (e // 4) of byte e % 4 of s's 4; value = d * scale_s * (q - 32).
-    Dots split q - 32 into (low - 32) + 16 high, each a function of 4 bits (a table lookup on the CPU)."""
+    """Q6_K's super-blocks of 256: the file's block in words, [d f16, 2 bytes unused][16 scales i8][ql: 128 bytes]
+    [qh: 64 bytes] per row. Word l of 32 (n = l // 8, l4 = l % 8) of ql's low nibbles, of its 32 + l's, of their
+    high nibbles and of their 32 + l's hold the low 4 bits of the elements 128 n + 32 i + 4 l4 + j (i = 0, 1, 2,
+    3), bits 2 i of qh's word 8 n + l4 their high 2; sub-block s (16 elements) has scale s; value = d * scale_s *
+    (q - 32). Dots read q from each of the 4 quads of 6-bit bytes and subtract 32 times the input's sums."""
+    digits = True
 
-    def parts(self, k, buf, at, s, j):
-        """[(element, low - 32, 16 high)] of step j (0..3) of sub-block s: the elements of bytes j and j + 4 of
-        its low nibbles and byte j of its high pairs."""
-        a, c = k.load(buf, at(18 + 8 * s + j, 1)), k.load(buf, at(22 + 8 * s + j, 1))
-        h = k.load(buf, at(146 + 4 * s + j, 1))
-        lows = [(j, a & 15), (j + 4, c & 15), (j + 8, a >> 4), (j + 12, c >> 4)]
-        return [(e, lo - 32, ((h >> 2 * i) & 3) << 4) for i, (e, lo) in enumerate(lows)]
+    def quad(self, k, buf, at, n, l4, i):
+        """q of elements 128 n + 32 i + 4 l4 + j, byte j of the word"""
+        lo = _word(k, buf, at(20 + 64 * n + 32 * (i % 2) + 4 * l4, 4))
+        hi = _word(k, buf, at(148 + 32 * n + 4 * l4, 4))
+        lo = lo & NIBBLES if i < 2 else (lo >> 4) & NIBBLES
+        return lo | ((hi << 4 - 2 * i if i < 2 else hi >> 2 * i - 4) & 0x30303030)
 
     def scale(self, k, buf, at, s):
-        return _half(k, buf, at(0, 2)) * F(_i8(k.load(buf, at(2 + s, 1))))
+        return F((_word(k, buf, at(4 + s // 4 * 4, 4)) << 24 - 8 * (s % 4)) >> 24)
 
-    def block_dot(self, k, buf, at, x, xsum):
-        def step(j, s):
-            ts = [F(lo) * x(s * 16 + e) + F(hi) * x(s * 16 + e) for e, lo, hi in self.parts(k, buf, at, s, j)]
-            return sum(ts[1:], ts[0])
-        subs = [self.scale(k, buf, at, s) * ir.reduce("add", "j", 4, lambda j, s=s: step(j, s), "unroll")
-                for s in range(16)]
-        return sum(subs[1:], subs[0])
+    def block_dot(self, k, buf, at, inp):
+        subs = []
+        for n, i, h in ((n, i, h) for n in range(2) for i in range(4) for h in range(2)):
+            e0 = 128 * n + 32 * i + 16 * h
+            sums = [ir.reduce("add", "w", 4, lambda w, d=d: ir.dot4(self.quad(k, buf, at, n, 4 * h + w, i),
+                                                                     inp.word(d, e0 + 4 * w)), "unroll")
+                    for d in range(DIGITS)]
+            subs.append(self.scale(k, buf, at, 8 * n + 2 * i + h) * (_digit_dot(sums) * inp.scale(e0) - 32.0 * inp.sum(e0)))
+        return ir.f16bits(_word(k, buf, at(0, 4))) * sum(subs[1:], subs[0])
 
     def block_values(self, k, buf, at):
-        return [(s * 16 + e, self.scale(k, buf, at, s) * F(lo + hi)) for s in range(16) for j in range(4)
-                for e, lo, hi in self.parts(k, buf, at, s, j)]
+        d, out = ir.f16bits(_word(k, buf, at(0, 4))), []
+        for n, l4, i in ((n, l4, i) for n in range(2) for l4 in range(8) for i in range(4)):
+            lo = _word(k, buf, at(20 + 64 * n + 32 * (i % 2) + 4 * l4, 4))
+            hi = _word(k, buf, at(148 + 32 * n + 4 * l4, 4))
+            e0 = 128 * n + 32 * i + 4 * l4
+            sc = d * self.scale(k, buf, at, e0 // 16)
+            # low - 32 and the high bits apart: each a float of a function of 4 bits (a table lookup on the CPU)
+            out += [(e0 + j, sc * (F(((lo >> 8 * j + 4 * (i // 2)) & 15) - 32) + F(((hi >> 8 * j + 2 * i) & 3) << 4)))
+                    for j in range(4)]
+        return out
 
 
 FORMATS = {
@@ -282,7 +335,7 @@ PACKED = {
     "R8": R8("R8", 32, 34, "u8", 1, ROWS),
     "R4": R4("R4", 32, 20, "u8", 1, ROWS),
     "R4K": R4K("R4K", 256, 148, "u8", 1, ROWS),
-    "R6": R6("R6", 256, 210, "u8", 1, ROWS),
+    "R6": R6("R6", 256, 212, "u8", 1, ROWS),
 }
 
 
@@ -309,15 +362,22 @@ def _pack_q8_0(b, rows):
     return _interleave(rows, [b[:, 0:2]], [b[:, 2:34]])
 
 
+def _words(rows, b):
+    """Blocks' bytes (rows * nb, unit), unit a multiple of 4 -> interleaved with every field a word: per row group
+    and block, word j of each of the ROWS rows side by side."""
+    nb = len(b) // rows
+    return np.ascontiguousarray(b.reshape(rows // ROWS, ROWS, nb, -1, 4).transpose(0, 2, 3, 1, 4)).reshape(-1)
+
+
 def _pack_q4_0(b, rows):
     m = _f16_at(b, 0) * np.float32(-8)
     if not np.isfinite(m.astype(np.float16)).all():
         raise ModelFileError("model", "a Q4_0 block scale beyond 8191 has no R4 form")
-    return _interleave(rows, [b[:, 0:2], _f16_field(m)], [b[:, 2:18]])
+    return _words(rows, np.concatenate([b[:, 0:2], _f16_field(m), b[:, 2:18]], axis=1))
 
 
 def _pack_q4_1(b, rows):
-    return _interleave(rows, [b[:, 0:2], b[:, 2:4]], [b[:, 4:20]])
+    return _words(rows, b)
 
 
 def _pack_q4_k(b, rows):
@@ -326,17 +386,13 @@ def _pack_q4_k(b, rows):
     mn = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
     qs = b[:, 16:144].reshape(-1, 4, 1, 32)
     q = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(-1, 8, 32)      # sub-block 2p, then 2p + 1
-    return _interleave(rows, [b[:, 0:2], b[:, 2:4]], [sc, mn, (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(-1, 128)])
+    return _words(rows, np.concatenate([b[:, 0:4], sc, mn, (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(-1, 128)],
+                                       axis=1))
 
 
 def _pack_q6_k(b, rows):
-    ql, qh = b[:, :128].reshape(-1, 2, 64), b[:, 128:192].reshape(-1, 2, 1, 32)
-    low = np.concatenate([ql[:, :, :32] & 15, ql[:, :, 32:] & 15, ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4], axis=2)
-    high = (qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3                  # file order: element 128 n + 32 i + l
-    low, high = low.reshape(-1, 16, 2, 8), high.reshape(-1, 16, 4, 4)          # per sub-block: e = 8 hi + i, 4 hi + i
-    nibbles = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(-1, 128)
-    pairs = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(-1, 64)
-    return _interleave(rows, [b[:, 208:210]], [b[:, 192:208], nibbles, pairs])
+    unused = np.zeros((len(b), 2), np.uint8)
+    return _words(rows, np.concatenate([b[:, 208:210], unused, b[:, 192:208], b[:, :192]], axis=1))
 
 
 REPACK = {"Q8_0": ("R8", _pack_q8_0), "Q4_0": ("R4", _pack_q4_0), "Q4_1": ("R4", _pack_q4_1),

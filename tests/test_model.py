@@ -33,6 +33,16 @@ def test_score_matches_transformers(engines, default_model, kv, tol, prompt):
     assert np.abs(got - want).max() <= tol
 
 
+def test_decode_steps_match_transformers(engines, default_model):
+    """Token by token (decode steps: the matmuls read the input quantized to integer digits, not the prefill's
+    f32 gemm), within the same bound as the f32 reference."""
+    eng = engines["f32"]
+    ids = (eng.tokenizer.encode(PROMPTS[0]) * 3)[:40]
+    with eng.session() as s:
+        got = np.concatenate([s.feed([t]) for t in ids])
+    assert np.abs(got - reference_logits(default_model, ids)).max() <= 1e-3
+
+
 @pytest.fixture(params=["cpu:1", "vulkan:0"])
 def wide(request):
     """A device as the engine sees a GPU: many threads at once, so it gets the wide schedule (llama.interleaves)

@@ -61,8 +61,8 @@ def test_row_dot_matches_gguf(cpu, name, wide):
 @pytest.mark.parametrize("name", sorted(quant.REPACK))
 def test_repacked_layout_holds_the_same_values(cpu, name):
     """The load-time repacking changes no value: dequantized on the device, the packed tensor equals gguf's
-    reference exactly; its matmul (an interleaved layout's reads the input's block sums) equals the reference
-    dot to rounding, for several tokens."""
+    reference exactly; its matmul (a dot4 layout's reads the input as quantize_input writes it) equals the
+    reference dot to rounding, for several tokens."""
     rows, cols, T = 48, 768, 3
     rng = np.random.default_rng(11)
     w, ref = random_tensor(name, rows, cols, rng)
@@ -78,13 +78,40 @@ def test_repacked_layout_holds_the_same_values(cpu, name):
     x = rng.standard_normal((T, cols)).astype(np.float32)
     mm = ops.matmul(fmt, rows, cols, T)
     bufs = {"w": packed, "x": x.reshape(-1), "y": np.zeros(T * rows, np.float32)}
-    if "xs" in mm.buffers:
-        sums = ops.block_sums(cols, T, fmt.sums)
-        bufs["xs"] = run_on_device(cpu, sums, {"x": x.reshape(-1), "xs": np.zeros(T * cols // fmt.sums, np.float32)},
-                                   {"n_tokens": T})["xs"]
+    if fmt.digits:
+        bufs.update(quantized_input(cpu, x))
     y = run_on_device(cpu, mm, bufs, {"n_tokens": T, "t0": 0})["y"].reshape(T, rows)
     want = x.astype(np.float64) @ ref.T.astype(np.float64)
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def quantized_input(device, x):
+    """x [T, cols] as quantize_input writes it on the device: {xq, xd, xs}"""
+    T, cols = x.shape
+    bufs = {"x": x.reshape(-1), "xq": np.zeros(T * cols // 4 * quant.DIGITS, np.int32),
+            "xd": np.zeros(T * cols // 32, np.float32), "xs": np.zeros(T * cols // 16, np.float32)}
+    out = run_on_device(device, ops.quantize_input(cols, T), bufs, {"n_tokens": T})
+    return {n: out[n] for n in ("xq", "xd", "xs")}
+
+
+def test_quantized_input_holds_the_input(cpu):
+    """Each element is its span's scale times the integer its digits spell, rounded to the nearest (half a step
+    away, and f32 rounding of x / scale: f32's precision of each element); the sums are of the 16 elements."""
+    rng = np.random.default_rng(5)
+    T, cols = 3, 512
+    x = (rng.standard_normal((T, cols)) * np.exp(rng.uniform(-8, 8, (T, cols // 32, 1))).repeat(32, 2).reshape(
+        T, cols)).astype(np.float32)
+    x[1, 32:64] = 0.0   # a span of zeros
+    got = quantized_input(cpu, x)
+    d = got["xq"].view(np.uint8).reshape(T * cols // 4, quant.DIGITS, 4).transpose(0, 2, 1).reshape(-1, quant.DIGITS)
+    n = (d.view(np.int8).astype(np.int64) << 8 * np.arange(quant.DIGITS)).sum(1)
+    scale = got["xd"].repeat(32)
+    top = np.abs(x.reshape(-1, 32)).max(1)
+    np.testing.assert_allclose(got["xd"], top / ops.DIGIT_MAX, rtol=1e-6)
+    assert np.abs(n).max() <= ops.DIGIT_MAX and (n[x.reshape(-1) == 0] == 0).all()
+    err = np.abs(n * scale.astype(np.float64) - x.reshape(-1))
+    assert (err <= 0.5 * scale + np.abs(x.reshape(-1)) * 2.0 ** -21).all()
+    np.testing.assert_allclose(got["xs"], x.reshape(-1, 16).sum(1), rtol=1e-5, atol=1e-6 * np.abs(x).max())
 
 
 def test_interleaved_layouts_keep_odd_row_counts_in_the_file_format():
