@@ -7,7 +7,7 @@
   tile, both in turn;
 - the gemm tile with all its inputs in L1: the core's f32 multiply-add ceiling.
 
-    python benchmarks/kernels.py [--threads N]
+    python benchmarks/kernels.py [--threads N] [--only decode|file|prefill|ceiling]
 """
 import argparse
 import time
@@ -62,7 +62,11 @@ def decode(dev, rng):
         copies = max(2, int(200e6 // w.nbytes))
         ws = [upload(dev, w) for _ in range(copies)]
         x = rng.standard_normal(cols).astype(np.float32)
-        bufs = {"x": upload(dev, x), "xs": upload(dev, x.reshape(-1, 32).sum(1)), "y": dev.alloc(rows * 4)}
+        bufs = {"x": upload(dev, x), "y": dev.alloc(rows * 4)}
+        if fmt.digits:  # the input as quantize_input writes it: any digits do for timing
+            bufs.update({"xq": upload(dev, rng.integers(-2**31, 2**31, cols // 4 * quant.DIGITS).astype(np.int32)),
+                         "xd": upload(dev, np.full(cols // 32, 1e-9, np.float32)),
+                         "xs": upload(dev, x.reshape(-1, 16).sum(1))})
         k = ops.matmul(fmt, rows, cols, 1)
         launches = [Launch(k, {p: b for p, b in {**bufs, "w": wb}.items() if p in k.buffers}) for wb in ws]
         values = {"n_tokens": 1, "t0": 0}
@@ -126,14 +130,15 @@ def ceiling(dev, rng, T=64):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--only", choices=["decode", "file", "prefill", "ceiling"], help="run one part")
     args = ap.parse_args()
     dev = registry.device("cpu")
     dev.configure(threads=args.threads)
     rng = np.random.default_rng(0)
-    decode(dev, rng)
-    file_layouts(dev, rng)
-    prefill(dev, rng)
-    ceiling(dev, rng)
+    parts = {"decode": decode, "file": file_layouts, "prefill": prefill, "ceiling": ceiling}
+    for name, part in parts.items():
+        if args.only in (None, name):
+            part(dev, rng)
 
 
 if __name__ == "__main__":

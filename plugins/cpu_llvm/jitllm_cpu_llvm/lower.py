@@ -32,6 +32,7 @@ LANE_BLOCK = 64  # iterations of a reduce across lanes summed before joining its
 PREFETCH = 4096  # bytes ahead that contiguous loads of large read-only byte buffers prefetch: quantized weights
 PREFETCH_MIN = 256 << 10  # stream from DRAM; smaller buffers (and f32 tiles, reused from cache) are left alone
 STEP_PART = 64  # launches per function of a program's step
+PREFETCHED = "prefetched"  # memo entry: the addresses a body has prefetched
 
 BARRIER_IR = """
 declare i32 @sched_yield()
@@ -497,10 +498,8 @@ class KernelLowering:
             if all(p.kind != "v" for p in parts) and sum(p.stride for p in parts) == 1:
                 vt = L.VectorType(STORAGE[dt], self.W)
                 ptr = self.element(e.buf, [p.val for p in parts])
-                p = self.k.buffers[e.buf]
-                if PREFETCH and self.prefetching and not p.write and p.dtype == "u8" and p.size >= PREFETCH_MIN:
-                    ahead = b.gep(ptr, [L.Constant(I32, PREFETCH)], source_etype=I8)
-                    b.call(self.prefetch(), [ahead, L.Constant(I32, 0), L.Constant(I32, 3), L.Constant(I32, 1)])
+                if self.prefetching:
+                    self.prefetch_ahead(e.buf, ptr, e.index, venv)
                 v = b.load(ptr, typ=vt, align=1)
                 return VVal("v", self.from_storage(dt, v))
             vt, mt = L.VectorType(STORAGE[dt], self.W), L.VectorType(I1, self.W)
@@ -555,15 +554,21 @@ class KernelLowering:
         multiply-adds (or of dot4s, each adding into its chain), so that the add latency does not bound it,
         joined at the end."""
         dt, chains, n = e.value.dtype, [], 0
+        self.memo.setdefault(PREFETCHED, set())  # shared by the iterations' memos, as what they load is
+        terms = _terms(e.value) if e.op == "add" else [e.value]
+        dot4 = [isinstance(t, ir.Bin) and t.op == "dot4" and e.op == "add" for t in terms]
+        # a sum of dot4s (a sub-block's bytes times one digit) keeps one chain: its kind comes many to a block, which
+        # overlap each other, and joining chains would cost more adds than the dot4s save waiting
+        n_chains = 1 if all(dot4) else UNROLL_ACCS
         for j in range(e.extent.value):
             saved = self.memo
             self.memo = dict(saved)  # values of the enclosing body stay shared; this iteration's are its own
             # consecutive iterations read consecutive vectors of bytes (interleaved weights): one prefetch per line
             self.prefetching = j % max(1, 64 // self.W) == 0
             env = {**venv, e.var: VVal("u", L.Constant(I32, j))}
-            for t in _terms(e.value) if e.op == "add" else [e.value]:
-                chain = chains[n % UNROLL_ACCS] if len(chains) == UNROLL_ACCS else None
-                if e.op == "add" and isinstance(t, ir.Bin) and t.op == "dot4":
+            for t, is_dot4 in zip(terms, dot4):
+                chain = chains[n % n_chains] if len(chains) == n_chains else None
+                if is_dot4:
                     v = self.dot4(self.to_vec(self.vexpr(t.a, env), "i32"), self.to_vec(self.vexpr(t.b, env), "i32"), chain)
                 else:
                     v = self.to_vec(self.vexpr(t, env), dt)
@@ -571,7 +576,7 @@ class KernelLowering:
                 if chain is None:
                     chains.append(v)
                 else:
-                    chains[n % UNROLL_ACCS] = v
+                    chains[n % n_chains] = v
                 n += 1
             self.memo = saved
         self.prefetching = True
@@ -595,6 +600,19 @@ class KernelLowering:
         fn = self.declare("llvm.x86.avx512.permvar.sf.512", vt, [vt, v.type])
         return self.b.call(fn, [L.Constant(vt, [float(t) for t in table]), v])
 
+    def prefetch_ahead(self, buf, ptr, index, venv):
+        """Prefetch PREFETCH bytes past ptr (element `index` of buf) when buf is a large read-only byte buffer
+        (weights streamed from DRAM), once per address in a body: a quantized dot reads each word for every
+        digit of the input, and prefetches take load slots."""
+        p = self.k.buffers[buf]
+        done = self.memo.setdefault(PREFETCHED, set())
+        key = (buf, _address_key(index, {**{n: v.val.constant for n, v in venv.items() if v.kind == "u"
+                                            and isinstance(v.val, L.Constant)}}))
+        if PREFETCH and not p.write and p.dtype == "u8" and p.size >= PREFETCH_MIN and key not in done:
+            done.add(key)
+            ahead = self.b.gep(ptr, [L.Constant(I32, PREFETCH)], source_etype=I8)
+            self.b.call(self.prefetch(), [ahead, L.Constant(I32, 0), L.Constant(I32, 3), L.Constant(I32, 1)])
+
     def field_load(self, field, venv):
         """A little-endian field of n bytes assembled from a byte buffer by shifts and ors, read by lanes n
         bytes apart: one vector load of n-byte integers (None when the lanes are not n bytes apart)."""
@@ -604,6 +622,8 @@ class KernelLowering:
             return None
         ity = L.IntType(8 * n)
         ptr = self.element(buf, [p.val for p in parts])
+        if self.prefetching or n * self.W >= 64:  # a load of a whole line (or more) prefetches its own
+            self.prefetch_ahead(buf, ptr, index, venv)
         v = self.b.load(ptr, typ=L.VectorType(ity, self.W), align=1)
         return VVal("v", v if n == 4 else self.b.zext(v, L.VectorType(I32, self.W)))
 
@@ -933,10 +953,25 @@ def _var_names(e):
 
 
 def _terms(e):
-    """The summands of an f32 sum tree."""
-    if isinstance(e, ir.Bin) and e.op == "add" and e.dtype == "f32":
+    """The summands of a sum tree (f32, or i32: dot4s then add into their accumulators)."""
+    if isinstance(e, ir.Bin) and e.op == "add" and e.dtype in ("f32", "i32"):
         return _terms(e.a) + _terms(e.b)
     return [e]
+
+
+def _address_key(e, consts):
+    """A structural key of an i32 index expression, names in `consts` replaced by their values and constant
+    subexpressions folded: equal for two evaluations of the same address."""
+    if isinstance(e, ir.Var) and e.name in consts:
+        return consts[e.name]
+    if isinstance(e, ir.Const):
+        return e.value
+    if isinstance(e, ir.Bin):
+        a, b = _address_key(e.a, consts), _address_key(e.b, consts)
+        if isinstance(a, int) and isinstance(b, int) and e.op in _CONST_OPS:
+            return _CONST_OPS[e.op](a, b)
+        return e.op, a, b
+    return e.name if isinstance(e, ir.Var) else id(e)
 
 
 def _shaped_like(v):
