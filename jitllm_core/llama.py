@@ -253,7 +253,7 @@ class Llama:
                                    for shape, as_f32 in self.weight_shapes(0).values() if not as_f32)),
                 "xt": ("f32", T * max(c.dim, q, c.ffn)),  # a matmul's input, transposed for prefill
                 # a matmul's input as the dot4 layouts read it (ops.quantize_input)
-                "xq": ("i32", T * max(c.dim, q, c.ffn) // 4 * quant.DIGITS), "xd": ("f32", T * max(c.dim, q, c.ffn) // 32),
+                "xq": ("u8", T * max(c.dim, q, c.ffn) * quant.DIGITS), "xd": ("f32", T * max(c.dim, q, c.ffn) // 32),
                 "xs": ("f32", T * max(c.dim, q, c.ffn) // 16)}
 
     def activation_bytes(self):

@@ -65,7 +65,7 @@ def matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=Fal
                   f"{'_wide' if wide else ''}")
     k.buffer("w", fmt.storage, rows * fmt.row_units(cols)), k.buffer("x", "f32", T * cols)
     if fmt.digits:
-        k.buffer("xq", "i32", T * cols // 4 * DIGITS), k.buffer("xd", "f32", T * cols // 32)
+        k.buffer("xq", "u8", T * DIGITS * cols), k.buffer("xd", "f32", T * cols // 32)
         k.buffer("xs", "f32", T * cols // 16)
     if bias:
         k.buffer("b", "f32", rows)
@@ -97,29 +97,29 @@ DIGIT_MAX = 1 << 8 * DIGITS - 2  # the largest integer of an input element (exac
 def quantize_input(cols: int, T: int) -> ir.Kernel:
     """x -> what the dot4 layouts' dots read of it (quant.Input), once per input instead of once per row: per span
     of 32 elements a scale, max |x| / DIGIT_MAX, and each element's integer round(x / scale) as DIGITS balanced
-    base-256 digits (each in [-128, 127], an int8 for dot4), digit i of 4 consecutive elements a byte each of a
-    word; per span of 16 the sum. x / scale, rounded to f32 first, keeps each element's 24 bits where it can
+    base-256 digits (each in [-128, 127], an int8 for dot4; digit i of a token's elements in a row of bytes, 4
+    consecutive elements a word); per span of 16 the sum. x / scale, rounded to f32 first, keeps each element's 24 bits where it can
     (|x| > 2^-6 max |x|), else 30 bits of the largest: activations as exact as f32 (a span's outlier would cost
     its neighbours their low bits with fewer digits; with 8 bits, as llama.cpp quantizes activations, SmolLM2's
     logits move by ~1)."""
     k = ir.Kernel(f"quantize_input_{cols}_T{T}")
-    k.buffer("x", "f32", T * cols), k.buffer("xq", "i32", T * cols // 4 * DIGITS, True)
+    k.buffer("x", "f32", T * cols), k.buffer("xq", "u8", T * DIGITS * cols, True)
     k.buffer("xd", "f32", T * cols // 32, True), k.buffer("xs", "f32", T * cols // 16, True)
-    with k.parallel("ts", k.scalar("n_tokens") * (cols // 32)) as ts:  # span ts of the step's inputs
+    spans = cols // 32
+    with k.parallel("ts", k.scalar("n_tokens") * spans) as ts:  # span ts of the step's inputs
+        t, c0 = ts // spans, ts % spans * 32
         x = lambda j: k.load("x", ts * 32 + j)
         top = k.let("top", ir.reduce("max", "j", 32, lambda j: ir.Un("abs", x(j)), "vector"))
         k.store("xd", ts, top * (1.0 / DIGIT_MAX))
         inv = k.let("inv", float(DIGIT_MAX) / ir.vmax(top, 1e-30))  # a span of zeros stays zeros
         for h in range(2):
             k.store("xs", ts * 2 + h, ir.reduce("add", "j", 16, lambda j: x(16 * h + j), "vector"))
-        with k.loop("w", 8, "vector") as w:
+        with k.loop("j", 32, "vector") as j:
             # clamped: x / scale rounds to f32 first, and the span's largest could come out a step beyond
-            v = [ir.i32(ir.Un("floor", ir.vmin(ir.vmax(x(4 * w + j) * inv, -DIGIT_MAX), DIGIT_MAX) + 0.5))
-                 for j in range(4)]
-            for i in range(DIGITS):  # digit i's byte is v's low byte; v - digit, over 256, is the rest
-                k.store("xq", (ts * 8 + w) * DIGITS + i,
-                        (v[0] & 255) | ((v[1] & 255) << 8) | ((v[2] & 255) << 16) | (v[3] << 24))
-                v = [(e + 128) >> 8 for e in v]
+            v = ir.i32(ir.Un("floor", ir.vmin(ir.vmax(x(j) * inv, -DIGIT_MAX), DIGIT_MAX) + 0.5))
+            for i in range(DIGITS):  # digit i is v's low byte (stored); v - digit, over 256, is the rest
+                k.store("xq", (t * DIGITS + i) * cols + c0 + j, v)
+                v = (v + 128) >> 8
     return k.finish()
 
 

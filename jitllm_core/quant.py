@@ -164,7 +164,7 @@ class Input:
         return self.k.load("x", self.t * self.cols + self.b * self.size + e)
 
     def word(self, i, e):
-        return self.k.load("xq", (self.t * (self.cols // 4) + self.b * (self.size // 4) + e // 4) * DIGITS + i)
+        return _word(self.k, "xq", (self.t * DIGITS + i) * self.cols + self.b * self.size + e)
 
     def scale(self, e):
         return self.k.load("xd", self.t * (self.cols // 32) + self.b * (self.size // 32) + e // 32)
@@ -177,9 +177,10 @@ class Interleaved(Format):
     """ROWS rows stored together, block by block. A block is a list of fields, each `size` bytes per row at
     offset `off` (in bytes per row); field (off, size) of row r lies at byte off * ROWS + r * size of the
     block's group, so that lanes that are rows load it contiguously. Row counts must be multiples of ROWS.
-    A format gives, for one block of one row (`at`: its fields' byte indices), `block_dot` -- its dot product
-    with the input's block (an `Input`) -- and `block_values`, its elements."""
+    A format gives, for one block of one row (`at`: its fields' byte indices), `block_dot` -- the dot product of
+    a piece of it with the input's block (an `Input`) -- and `block_values`, its elements."""
     interleave = ROWS
+    pieces = 1  # a block's dot in pieces, an iteration each: fewer values live at once (LLVM spilled R6's)
 
     def at(self, rg, b, nb, r):
         """field (off, size) of row r of block b of row group rg -> its byte index"""
@@ -187,15 +188,19 @@ class Interleaved(Format):
 
     def lane_dot(self, k, buf, rg, r, cols, inp):
         """Row r (a vector lane) of row group rg dotted with the Input inp."""
-        nb = cols // self.block
-        return ir.reduce("add", "b", nb, lambda b: self.block_dot(k, buf, self.at(rg, b, nb, r),
-                                                                  inp.block(b, self.block)))
+        nb, m = cols // self.block, self.pieces
+
+        def piece(bp):
+            b = bp // m if m > 1 else bp
+            return self.block_dot(k, buf, self.at(rg, b, nb, r), inp.block(b, self.block), bp % m if m > 1 else 0)
+        return ir.reduce("add", "b", nb * m, piece)
 
     def values(self, k, buf, rg, r, cols, b):
         """[(element of the block, value)] of row r of group rg, block b"""
         return self.block_values(k, buf, self.at(rg, b, cols // self.block, r))
 
-    def block_dot(self, k, buf, at, inp):
+    def block_dot(self, k, buf, at, inp, piece):
+        """the dot of piece `piece` (0 .. pieces - 1, an expression) of the block"""
         raise NotImplementedError
 
     def block_values(self, k, buf, at):
@@ -237,40 +242,43 @@ class Affine4(Interleaved):
     """4-bit sub-blocks of 32 (nibble words as `_nibble_dot` reads them), each value = scale * q + offset."""
     digits = True
 
-    def subs(self, k, buf, at):
-        """[(scale, offset, field of the 4 nibble words)] of the block's sub-blocks"""
+    def subs(self, k, buf, at, piece):
+        """[(scale, offset, field of the 4 nibble words, first element)] of the piece's sub-blocks"""
         raise NotImplementedError
 
-    def block_dot(self, k, buf, at, inp):
-        parts = [scale * _nibble_dot(k, buf, at, off, inp, 32 * s) + offset * (inp.sum(32 * s) + inp.sum(32 * s + 16))
-                 for s, (scale, offset, off) in enumerate(self.subs(k, buf, at))]
+    def block_dot(self, k, buf, at, inp, piece):
+        parts = [scale * _nibble_dot(k, buf, at, off, inp, e0) + offset * (inp.sum(e0) + inp.sum(e0 + 16))
+                 for scale, offset, off, e0 in self.subs(k, buf, at, piece)]
         return sum(parts[1:], parts[0])
 
     def block_values(self, k, buf, at):
-        return [(32 * s + e, scale * q + offset) for s, (scale, offset, off) in enumerate(self.subs(k, buf, at))
-                for e, q in _nibbles(k, buf, at, off)]
+        return [(e0 + e, scale * q + offset) for piece in range(self.pieces)
+                for scale, offset, off, e0 in self.subs(k, buf, at, piece) for e, q in _nibbles(k, buf, at, off)]
 
 
 class R4(Affine4):
     """Blocks of 32 (Q4_0, Q4_1): [d f16, m f16][4 words of nibbles] per row; value = d * q + m."""
-    def subs(self, k, buf, at):
+    def subs(self, k, buf, at, piece):
         dm = _word(k, buf, at(0, 4))
-        return [(ir.f16bits(dm), ir.f16bits(dm >> 16), 4)]
+        return [(ir.f16bits(dm), ir.f16bits(dm >> 16), 4, 0)]
 
 
 class R4K(Affine4):
     """Q4_K's super-blocks of 256: [d f16, dmin f16][8 scales u8][8 mins u8][8 x 4 words of nibbles] per row;
-    sub-block s's value = d * scale_s * q - dmin * min_s."""
-    def subs(self, k, buf, at):
+    sub-block s's value = d * scale_s * q - dmin * min_s. Pieces: sub-blocks 0-3, 4-7."""
+    pieces = 2
+
+    def subs(self, k, buf, at, piece):
         dm = _word(k, buf, at(0, 4))
         d, dmin = ir.f16bits(dm), ir.f16bits(dm >> 16)
-        byte = lambda off, s: F((_word(k, buf, at(off + s // 4 * 4, 4)) >> 8 * (s % 4)) & 255)
-        return [(d * byte(4, s), -(dmin * byte(12, s)), 20 + 16 * s) for s in range(8)]
+        byte = lambda off, j: F((_word(k, buf, at(off + 4 * piece, 4)) >> 8 * j) & 255)
+        return [(d * byte(4, j), -(dmin * byte(12, j)), 20 + 64 * piece + 16 * j, 128 * piece + 32 * j)
+                for j in range(4)]
 
 
 class R8(Interleaved):
     """Q8_0's blocks of 32: [d f16][32 bytes of int8] per row; value = d * q."""
-    def block_dot(self, k, buf, at, inp):
+    def block_dot(self, k, buf, at, inp, piece):
         step = lambda j: F(_i8(k.load(buf, at(2, 1) + j * ROWS))) * inp.x(j)
         return _half(k, buf, at(0, 2)) * ir.reduce("add", "j", 32, step, "unroll")
 
@@ -286,6 +294,8 @@ class R6(Interleaved):
     (q - 32). Dots read q from each of the 4 quads of 6-bit bytes and subtract 32 times the input's sums."""
     digits = True
 
+    pieces = 2  # n: the halves of the block
+
     def quad(self, k, buf, at, n, l4, i):
         """q of elements 128 n + 32 i + 4 l4 + j, byte j of the word"""
         lo = _word(k, buf, at(20 + 64 * n + 32 * (i % 2) + 4 * l4, 4))
@@ -293,17 +303,19 @@ class R6(Interleaved):
         lo = lo & NIBBLES if i < 2 else (lo >> 4) & NIBBLES
         return lo | ((hi << 4 - 2 * i if i < 2 else hi >> 2 * i - 4) & 0x30303030)
 
-    def scale(self, k, buf, at, s):
-        return F((_word(k, buf, at(4 + s // 4 * 4, 4)) << 24 - 8 * (s % 4)) >> 24)
+    def scale(self, k, buf, at, n, s):
+        """scale of sub-block 8 n + s"""
+        return F((_word(k, buf, at(4 + 8 * n + s // 4 * 4, 4)) << 24 - 8 * (s % 4)) >> 24)
 
-    def block_dot(self, k, buf, at, inp):
+    def block_dot(self, k, buf, at, inp, n):
         subs = []
-        for n, i, h in ((n, i, h) for n in range(2) for i in range(4) for h in range(2)):
+        # the 4 sub-blocks (i) of one run of words one after another: each word is read for all of them at once
+        for h, i in ((h, i) for h in range(2) for i in range(4)):
             e0 = 128 * n + 32 * i + 16 * h
             sums = [ir.reduce("add", "w", 4, lambda w, d=d: ir.dot4(self.quad(k, buf, at, n, 4 * h + w, i),
                                                                      inp.word(d, e0 + 4 * w)), "unroll")
                     for d in range(DIGITS)]
-            subs.append(self.scale(k, buf, at, 8 * n + 2 * i + h) * (_digit_dot(sums) * inp.scale(e0) - 32.0 * inp.sum(e0)))
+            subs.append(self.scale(k, buf, at, n, 2 * i + h) * (_digit_dot(sums) * inp.scale(e0) - 32.0 * inp.sum(e0)))
         return ir.f16bits(_word(k, buf, at(0, 4))) * sum(subs[1:], subs[0])
 
     def block_values(self, k, buf, at):
@@ -312,7 +324,7 @@ class R6(Interleaved):
             lo = _word(k, buf, at(20 + 64 * n + 32 * (i % 2) + 4 * l4, 4))
             hi = _word(k, buf, at(148 + 32 * n + 4 * l4, 4))
             e0 = 128 * n + 32 * i + 4 * l4
-            sc = d * self.scale(k, buf, at, e0 // 16)
+            sc = d * self.scale(k, buf, at, n, e0 % 128 // 16)
             # low - 32 and the high bits apart: each a float of a function of 4 bits (a table lookup on the CPU)
             out += [(e0 + j, sc * (F(((lo >> 8 * j + 4 * (i // 2)) & 15) - 32) + F(((hi >> 8 * j + 2 * i) & 3) << 4)))
                     for j in range(4)]

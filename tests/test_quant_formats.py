@@ -88,7 +88,7 @@ def test_repacked_layout_holds_the_same_values(cpu, name):
 def quantized_input(device, x):
     """x [T, cols] as quantize_input writes it on the device: {xq, xd, xs}"""
     T, cols = x.shape
-    bufs = {"x": x.reshape(-1), "xq": np.zeros(T * cols // 4 * quant.DIGITS, np.int32),
+    bufs = {"x": x.reshape(-1), "xq": np.zeros(T * quant.DIGITS * cols, np.uint8),
             "xd": np.zeros(T * cols // 32, np.float32), "xs": np.zeros(T * cols // 16, np.float32)}
     out = run_on_device(device, ops.quantize_input(cols, T), bufs, {"n_tokens": T})
     return {n: out[n] for n in ("xq", "xd", "xs")}
@@ -103,7 +103,7 @@ def test_quantized_input_holds_the_input(cpu):
         T, cols)).astype(np.float32)
     x[1, 32:64] = 0.0   # a span of zeros
     got = quantized_input(cpu, x)
-    d = got["xq"].view(np.uint8).reshape(T * cols // 4, quant.DIGITS, 4).transpose(0, 2, 1).reshape(-1, quant.DIGITS)
+    d = got["xq"].reshape(T, quant.DIGITS, cols).transpose(0, 2, 1).reshape(-1, quant.DIGITS)
     n = (d.view(np.int8).astype(np.int64) << 8 * np.arange(quant.DIGITS)).sum(1)
     scale = got["xd"].repeat(32)
     top = np.abs(x.reshape(-1, 32)).max(1)
