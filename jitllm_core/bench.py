@@ -92,7 +92,7 @@ def open_llama_cpp(path, threads, n_ctx):
 
 
 def run_bench(model=None, devices=None, kv_dtype="f16", threads=(1, 2), prompt_tokens=37, decode_tokens=64,
-              repeats=5, llama_cpp=True, out=None) -> list[dict]:
+              repeats=5, llama_cpp=True, out=None, activations="f32") -> list[dict]:
     """Measure, print the table on `out` (stdout) and return one dict per thread count (tok/s are medians)."""
     if prompt_tokens < 1 or decode_tokens < 1 or repeats < 1:
         raise JitllmError("bench: --prompt-tokens, --decode-tokens and --repeats must be at least 1")
@@ -100,7 +100,7 @@ def run_bench(model=None, devices=None, kv_dtype="f16", threads=(1, 2), prompt_t
     results, model_path = [], None
     for n in threads:
         print(f"bench: {n} thread(s): loading, measuring read bandwidth, warming up ...", file=sys.stderr)
-        eng = Engine(model=model, devices=devices or ["cpu"], threads=n, kv_dtype=kv_dtype)
+        eng = Engine(model=model, devices=devices or ["cpu"], threads=n, kv_dtype=kv_dtype, activations=activations)
         peer = None
         try:
             bandwidth = read_bandwidth(next(iter(eng.devices.values())), rows=16384, runs=5)
@@ -137,7 +137,8 @@ def print_report(results, model_path, prompt_tokens, decode_tokens, repeats, out
     peer = any("llama.cpp" in r for r in results)
     engines = ["jitllm", "llama.cpp"] if peer else ["jitllm"]
     bpt = results[0]["bytes_per_token"]
-    print(f"model: {model_path}", file=out)
+    print(f"model: {model_path}" + ("; jitllm's matmul inputs int8 (--activations int8: not the default, exact mode)"
+                                     if activations == "int8" else ""), file=out)
     print(f"{prompt_tokens}-token prompt, {decode_tokens} decode steps; medians of {repeats} runs after a warm-up"
           + (", jitllm and llama.cpp interleaved" if peer else ""), file=out)
     source = {"jitllm": "counted by its engine: weights in their packed layout", "llama.cpp": "the GGUF file's tensors"}

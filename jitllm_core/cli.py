@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--device", action="append", metavar="D",
                         help="device to use, e.g. cpu, cpu:1, vulkan:0 (repeatable; default: all available)")
     engine.add_argument("--kv-dtype", choices=("f16", "f32"), default="f16", help="KV cache dtype (default f16)")
+    engine.add_argument("--activations", choices=("f32", "int8"), default="f32",
+                        help="matmul inputs on the CPU: f32 (exact, default) or int8 (as llama.cpp: faster, logits "
+                             "~1 off)")
     engine.add_argument("--mem", action="append", default=[], metavar="DEV=SIZE",
                         help="cap a device's memory, e.g. vulkan:0=60MB (repeatable); the planner fits under it")
     engine.add_argument("--n-device-layers", type=int, metavar="N",
@@ -133,7 +136,7 @@ def open_engine(args):
     try:
         return Engine(model=args.model, devices=args.device, threads=args.threads, kv_dtype=args.kv_dtype,
                       progress=bar, mem=parse_mem(args.mem), n_device_layers=args.n_device_layers,
-                      max_context=args.max_context)
+                      max_context=args.max_context, activations=args.activations)
     finally:
         if bar:
             bar.clear()
@@ -352,12 +355,13 @@ def cmd_bench(args) -> int:
 
     run_bench(model=args.model, devices=args.device, kv_dtype=args.kv_dtype, threads=args.threads,
               prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, repeats=args.repeats,
-              llama_cpp=args.llama_cpp)
+              llama_cpp=args.llama_cpp, activations=args.activations)
     if args.profile:
         from .engine import Engine
         from .profile import print_profile, profile_decode
         for threads in args.threads:
-            eng = Engine(model=args.model, devices=args.device, threads=threads, kv_dtype=args.kv_dtype)
+            eng = Engine(model=args.model, devices=args.device, threads=threads, kv_dtype=args.kv_dtype,
+                         activations=args.activations)
             for tokens, what in ((1, "decode step"), (64, "prefill step of 64 tokens")):
                 print(f"\nprofile: {what}, {threads} thread(s), one launch at a time")
                 print_profile(*profile_decode(eng, step_tokens=tokens))

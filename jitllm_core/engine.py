@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import faults, ir, registry
+from . import faults, ir, quant, registry
 from .errors import ContextLimitError, JitllmError
 from .kvcache import PagePool, Sequence
 from .llama import Llama, ModelFile, interleaves
@@ -25,6 +25,9 @@ from .sampler import Sampler
 from .tokenizer import StreamDecoder
 
 STEP_TOKENS = 64   # tokens per step (prefill chunk)
+# what the CPU's integer dots see of a matmul input: "f32" its digits as exact as f32 (the default), "int8" one
+# int8 per element, as llama.cpp quantizes activations (faster, logits ~1 off)
+ACTIVATION_DIGITS = {"f32": quant.DIGITS, "int8": quant.INT8}
 PAGE = 16          # positions per KV page
 DEFAULT_CONTEXT = 8192  # KV positions reserved when the caller does not say (models may allow far more)
 
@@ -93,9 +96,11 @@ class UnitState:
 
 class Engine:
     def __init__(self, model=None, devices=None, placement="auto", threads=None, kv_dtype="f16",
-                 max_context=None, progress=None, mem=None, n_device_layers=None):
+                 max_context=None, progress=None, mem=None, n_device_layers=None, activations="f32"):
         if kv_dtype not in ("f16", "f32"):
             raise JitllmError(f"kv_dtype must be 'f16' or 'f32', not {kv_dtype!r}")
+        if activations not in ACTIVATION_DIGITS:
+            raise JitllmError(f"activations must be 'f32' or 'int8', not {activations!r}")
         self.model_path = str(model) if model is not None else default_model_path()
         self.progress = progress or (lambda stage, done, total: None)
         self.mf = ModelFile(self.model_path)
@@ -104,7 +109,8 @@ class Engine:
         self.max_context = min(int(max_context or min(cfg.context, DEFAULT_CONTEXT)), cfg.context)
         self.kv_dtype = kv_dtype
         n_pages = -(-self.max_context // PAGE)
-        self.model = Llama(self.mf, STEP_TOKENS, PAGE, n_pages, kv_dtype)
+        self.activations = activations
+        self.model = Llama(self.mf, STEP_TOKENS, PAGE, n_pages, kv_dtype, ACTIVATION_DIGITS[activations])
         self.rope_freqs = self.mf.rope_freqs()
         self.devices = self._pick_devices(devices, threads)
         caps = {self._device_name(k): v for k, v in (mem or {}).items()}

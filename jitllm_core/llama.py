@@ -226,11 +226,12 @@ def _chunk_rows(rows, cols):
 class Llama:
     """Kernels and buffer bindings for every unit of one model at one step size."""
 
-    def __init__(self, mf: ModelFile, T: int, page: int, n_pages: int, kv_dtype: str):
+    def __init__(self, mf: ModelFile, T: int, page: int, n_pages: int, kv_dtype: str, digits=quant.DIGITS):
         """n_pages: KV pages of each layer's pool, which is also the longest page table (one sequence may use
         the whole pool)."""
         self.mf, self.cfg, self.T = mf, mf.config, T
         self.page, self.n_pages, self.kv_dtype = page, n_pages, kv_dtype
+        self.digits = digits  # of the dot4 layouts' inputs: quant.DIGITS (as exact as f32) or quant.INT8
         cfg = self.cfg
         if cfg.n_head % cfg.n_kv or cfg.head_dim % 2:
             raise ModelFileError(mf.path, f"unsupported head layout ({cfg.n_head} heads, {cfg.n_kv} kv heads, "
@@ -253,7 +254,7 @@ class Llama:
                                    for shape, as_f32 in self.weight_shapes(0).values() if not as_f32)),
                 "xt": ("f32", T * max(c.dim, q, c.ffn)),  # a matmul's input, transposed for prefill
                 # a matmul's input as the dot4 layouts read it (ops.quantize_input)
-                "xq": ("u8", T * max(c.dim, q, c.ffn) * quant.DIGITS), "xd": ("f32", T * max(c.dim, q, c.ffn) // 32),
+                "xq": ("u8", T * max(c.dim, q, c.ffn) * self.digits), "xd": ("f32", T * max(c.dim, q, c.ffn) // 32),
                 "xs": ("f32", T * max(c.dim, q, c.ffn) // 16)}
 
     def activation_bytes(self):
@@ -321,16 +322,23 @@ class Llama:
         fmt = self._file_format(name, shape)
         return packed_format(fmt, shape[0]) if interleave else fmt
 
-    def _mm(self, name, x, y, rows, cols, acc=False, bias=None, logits=False, gemm=False, interleave=True):
-        """Matmul launches; only the LM head starts at the step's `t0`, layers need every token. With `gemm` (a
-        prefill step on an interleaving device), the weights are first dequantized to f32 once and reused by
-        every token of the step, and the input is read transposed (`xt`, written by `_transposed`)."""
+    def _gemm(self, fmt, prefill, interleave):
+        """Whether a matmul of weights in layout fmt goes through dequantize + gemm: in a prefill step on an
+        interleaving device (a GPU's prefill runs the decode matmul for every token instead), unless the dot4
+        layouts' int8 inputs make the matmul itself the faster one."""
+        return prefill and interleave and not (fmt.digits and self.digits == quant.INT8)
+
+    def _mm(self, name, x, y, rows, cols, acc=False, bias=None, logits=False, prefill=False, interleave=True):
+        """Matmul launches; only the LM head starts at the step's `t0`, layers need every token. Through gemm
+        (`_gemm`), the weights are first dequantized to f32 once and reused by every token of the step, and the
+        input is read transposed (`xt`, written by `_inputs`)."""
         fmt = self.fmt(name, (rows, cols), interleave)
         bufs = {"y": f"a:{y}", **({"b": f"w:{bias}"} if bias else {})}
         scalars = {} if logits else {"t0": "zero"}
-        if not gemm:
+        if not self._gemm(fmt, prefill, interleave):
             digits = {"xq": "a:xq", "xd": "a:xd", "xs": "a:xs"} if fmt.digits else {}
-            return [LaunchTemplate(ops.matmul(fmt, rows, cols, self.T, acc, bias is not None, not interleave),
+            return [LaunchTemplate(ops.matmul(fmt, rows, cols, self.T, acc, bias is not None, not interleave,
+                                              self.digits),
                                    {"w": f"w:{name}", "x": f"a:{x}", **bufs, **digits}, scalars)]
         chunk, out = _chunk_rows(rows, cols), []
         for r0 in range(0, rows, chunk or rows):
@@ -342,18 +350,17 @@ class Llama:
                                    {"w": "a:wdq", "xt": "a:xt", **bufs}, {**scalars, **at})]
         return out
 
-    def _quantized(self, x, cols, unit, names, gemm=False, interleave=True):
-        """The launch that writes activation x as the dot4 layouts read it (`xq`, `xd`, `xs`), when a matmul of
-        weights `names` (of `unit`) is of one, unless `gemm` replaces them."""
+    def _inputs(self, x, cols, unit, names, prefill=False, interleave=True):
+        """The launches that write activation x as the matmuls of weights `names` (of `unit`) read it: transposed
+        (`xt`) for those through gemm, quantized (`xq`, `xd`, `xs`) for the dot4 layouts' matmuls."""
         shapes = self.weight_shapes(unit)
-        if gemm or not any(self.fmt(n, shapes[n][0], interleave).digits for n in names):
-            return []
-        return [LaunchTemplate(ops.quantize_input(cols, self.T), {"x": f"a:{x}", "xq": "a:xq", "xd": "a:xd",
-                                                                  "xs": "a:xs"})]
-
-    def _transposed(self, x, cols, gemm):
-        """For prefill's gemms, the launch that writes activation x transposed into `xt`, where they read it."""
-        return [LaunchTemplate(ops.transpose(cols, self.T), {"x": f"a:{x}", "xt": "a:xt"})] if gemm else []
+        fmts = [self.fmt(n, shapes[n][0], interleave) for n in names]
+        gemm = [self._gemm(f, prefill, interleave) for f in fmts]
+        out = [LaunchTemplate(ops.transpose(cols, self.T), {"x": f"a:{x}", "xt": "a:xt"})] if any(gemm) else []
+        if any(f.digits and not g for f, g in zip(fmts, gemm)):
+            out.append(LaunchTemplate(ops.quantize_input(cols, self.T, self.digits),
+                                      {"x": f"a:{x}", "xq": "a:xq", "xd": "a:xd", "xs": "a:xs"}))
+        return out
 
     def unit_launches(self, unit, prefill=False, interleave=True):
         """The unit's launches for a decode step, or (prefill=True) for a step of many tokens, in the schedule
@@ -364,21 +371,20 @@ class Llama:
             return [LaunchTemplate(ops.embed(fmt, c.vocab, c.dim, T),
                                    {"tok": "a:tok", "w": "w:token_embd.weight", "x": "a:x"})]
         if unit == "head":
+            # the LM head is a decode matmul in every step (only the step's last tokens are wanted)
             return [LaunchTemplate(ops.rmsnorm(c.dim, T, c.eps), {"x": "a:x", "w": "w:output_norm.weight", "out": "a:xn"}),
-                    *self._quantized("xn", c.dim, unit, [self.head_tensor], interleave=interleave),
+                    *self._inputs("xn", c.dim, unit, [self.head_tensor], interleave=interleave),
                     *self._mm(self.head_tensor, "xn", "logits", c.vocab, c.dim, logits=True, interleave=interleave)]
         p, q, kv = f"blk.{unit}.", c.n_head * c.head_dim, c.n_kv * c.head_dim
         b = (lambda n: p + n + ".bias") if c.bias else (lambda n: None)
         cache = dict(page=self.page, n_pages=self.n_pages, max_pages=self.n_pages, kv_dtype=self.kv_dtype)
         kvb = {"ptab": "kv:ptab", "kc": "kv:k", "vc": "kv:v"}
-        gemm = prefill and interleave   # a GPU's prefill runs the decode matmul for every token instead
-        mm = functools.partial(self._mm, gemm=gemm, interleave=interleave)
-        tr = functools.partial(self._transposed, gemm=gemm)
-        sm = lambda x, cols, *names: self._quantized(x, cols, unit, [p + n + ".weight" for n in names], gemm,
-                                                     interleave)
+        mm = functools.partial(self._mm, prefill=prefill, interleave=interleave)
+        inputs = lambda x, cols, *names: self._inputs(x, cols, unit, [p + n + ".weight" for n in names], prefill,
+                                                      interleave)
         return [
             LaunchTemplate(ops.rmsnorm(c.dim, T, c.eps), {"x": "a:x", "w": f"w:{p}attn_norm.weight", "out": "a:xn"}),
-            *tr("xn", c.dim), *sm("xn", c.dim, "attn_q", "attn_k", "attn_v"),
+            *inputs("xn", c.dim, "attn_q", "attn_k", "attn_v"),
             *mm(p + "attn_q.weight", "xn", "q", q, c.dim, bias=b("attn_q")),
             *mm(p + "attn_k.weight", "xn", "k", kv, c.dim, bias=b("attn_k")),
             *mm(p + "attn_v.weight", "xn", "v", kv, c.dim, bias=b("attn_v")),
@@ -386,14 +392,14 @@ class Llama:
             LaunchTemplate(ops.rope(c.n_kv, c.head_dim, T), {"q": "a:k", "freq": "c:rope_freqs"}),
             LaunchTemplate(ops.kv_store(c.n_kv, c.head_dim, T, **cache), {"k": "a:k", "v": "a:v", **kvb}),
             LaunchTemplate(ops.attention(c.n_head, c.n_kv, c.head_dim, T, **cache), {"q": "a:q", "s": "a:scores", "out": "a:att", **kvb}),
-            *tr("att", q), *sm("att", q, "attn_output"),
+            *inputs("att", q, "attn_output"),
             *mm(p + "attn_output.weight", "att", "x", c.dim, q, acc=True),
             LaunchTemplate(ops.rmsnorm(c.dim, T, c.eps), {"x": "a:x", "w": f"w:{p}ffn_norm.weight", "out": "a:xn"}),
-            *tr("xn", c.dim), *sm("xn", c.dim, "ffn_gate", "ffn_up"),
+            *inputs("xn", c.dim, "ffn_gate", "ffn_up"),
             *mm(p + "ffn_gate.weight", "xn", "g", c.ffn, c.dim),
             *mm(p + "ffn_up.weight", "xn", "u", c.ffn, c.dim),
             LaunchTemplate(ops.silu_mul(c.ffn, T), {"g": "a:g", "u": "a:u", "h": "a:h"}),
-            *tr("h", c.ffn), *sm("h", c.ffn, "ffn_down"),
+            *inputs("h", c.ffn, "ffn_down"),
             *mm(p + "ffn_down.weight", "h", "x", c.dim, c.ffn, acc=True),
         ]
 

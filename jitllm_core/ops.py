@@ -56,16 +56,17 @@ def rmsnorm(dim: int, T: int, eps: float) -> ir.Kernel:
 
 
 @functools.cache
-def matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=False, wide=False) -> ir.Kernel:
+def matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=False, wide=False,
+           digits=DIGITS) -> ir.Kernel:
     """y[t, r] (+)= W[r, :] . x[t, :] (+ b[r]) for t in [t0, n_tokens); one quantized row per iteration (an
     interleaved format's: ROWS rows, a vector lane each), reused across the step's tokens while it is in cache.
-    The dot4 layouts (`Format.digits`) read the input as `quantize_input` writes it. wide: the row's dot in the
-    form for a device of many threads (Format.row_dot)."""
+    The dot4 layouts (`Format.digits`) read the input as `quantize_input(cols, T, digits)` writes it. wide: the
+    row's dot in the form for a device of many threads (Format.row_dot)."""
     k = ir.Kernel(f"matmul_{fmt.name}_{rows}x{cols}_T{T}{'_acc' if accumulate else ''}{'_bias' if bias else ''}"
-                  f"{'_wide' if wide else ''}")
+                  f"{'_wide' if wide else ''}{f'_d{digits}' if fmt.digits and digits != DIGITS else ''}")
     k.buffer("w", fmt.storage, rows * fmt.row_units(cols)), k.buffer("x", "f32", T * cols)
     if fmt.digits:
-        k.buffer("xq", "u8", T * DIGITS * cols), k.buffer("xd", "f32", T * cols // 32)
+        k.buffer("xq", "u8", T * digits * cols), k.buffer("xd", "f32", T * cols // 32)
         k.buffer("xs", "f32", T * cols // 16)
     if bias:
         k.buffer("b", "f32", rows)
@@ -82,7 +83,7 @@ def matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=Fal
         with k.parallel("rg", rows // ROWS) as rg:
             with k.loop("t", n - t0, "serial", start=t0) as t:
                 with k.loop("ri", ROWS, "vector") as ri:
-                    put(t, rg * ROWS + ri, k.let("dot", fmt.lane_dot(k, "w", rg, ri, cols, Input(k, t, cols))))
+                    put(t, rg * ROWS + ri, k.let("dot", fmt.lane_dot(k, "w", rg, ri, cols, Input(k, t, cols, digits))))
         return k.finish()
     with k.parallel("r", rows) as r:
         with k.loop("t", n - t0, "serial", start=t0) as t:
@@ -90,35 +91,41 @@ def matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=Fal
     return k.finish()
 
 
-DIGIT_MAX = 1 << 8 * DIGITS - 2  # the largest integer of an input element (exact in f32; its digits in range)
+def digit_max(digits: int) -> int:
+    """The largest integer of an input element in `digits` digits (exact in f32; its digits in range)."""
+    top = 127 * (256 ** digits - 1) // 255
+    return top if top < 1 << 24 else 1 << 8 * digits - 2
 
 
 @functools.cache
-def quantize_input(cols: int, T: int) -> ir.Kernel:
+def quantize_input(cols: int, T: int, digits: int = DIGITS) -> ir.Kernel:
     """x -> what the dot4 layouts' dots read of it (quant.Input), once per input instead of once per row: per span
-    of 32 elements a scale, max |x| / DIGIT_MAX, and each element's integer round(x / scale) as DIGITS balanced
+    of 32 elements a scale, max |x| / digit_max, and each element's integer round(x / scale) as `digits` balanced
     base-256 digits (each in [-128, 127], an int8 for dot4; digit i of a token's elements in a row of bytes, 4
-    consecutive elements a word); per span of 16 the sum. x / scale, rounded to f32 first, keeps each element's 24 bits where it can
-    (|x| > 2^-6 max |x|), else 30 bits of the largest: activations as exact as f32 (a span's outlier would cost
-    its neighbours their low bits with fewer digits; with 8 bits, as llama.cpp quantizes activations, SmolLM2's
-    logits move by ~1)."""
-    k = ir.Kernel(f"quantize_input_{cols}_T{T}")
-    k.buffer("x", "f32", T * cols), k.buffer("xq", "u8", T * DIGITS * cols, True)
+    consecutive elements a word); per span of 16 the sum of those values. With DIGITS (4), x / scale, rounded to f32 first, keeps
+    each element's 24 bits where it can (|x| > 2^-6 max |x|), else 30 bits of the largest: activations as exact
+    as f32 (a span's outlier would cost its neighbours their low bits with fewer digits). With INT8 (1), as
+    llama.cpp quantizes activations: SmolLM2's logits move by ~1."""
+    top_int = digit_max(digits)
+    k = ir.Kernel(f"quantize_input_{cols}_T{T}" + (f"_d{digits}" if digits != DIGITS else ""))
+    k.buffer("x", "f32", T * cols), k.buffer("xq", "u8", T * digits * cols, True)
     k.buffer("xd", "f32", T * cols // 32, True), k.buffer("xs", "f32", T * cols // 16, True)
     spans = cols // 32
     with k.parallel("ts", k.scalar("n_tokens") * spans) as ts:  # span ts of the step's inputs
         t, c0 = ts // spans, ts % spans * 32
         x = lambda j: k.load("x", ts * 32 + j)
         top = k.let("top", ir.reduce("max", "j", 32, lambda j: ir.Un("abs", x(j)), "vector"))
-        k.store("xd", ts, top * (1.0 / DIGIT_MAX))
-        inv = k.let("inv", float(DIGIT_MAX) / ir.vmax(top, 1e-30))  # a span of zeros stays zeros
-        for h in range(2):
-            k.store("xs", ts * 2 + h, ir.reduce("add", "j", 16, lambda j: x(16 * h + j), "vector"))
+        k.store("xd", ts, top * (1.0 / top_int))
+        inv = k.let("inv", float(top_int) / ir.vmax(top, 1e-30))  # a span of zeros stays zeros
+        # clamped: x / scale rounds to f32 first, and the span's largest could come out a step beyond
+        integer = lambda j: ir.i32(ir.Un("floor", ir.vmin(ir.vmax(x(j) * inv, -top_int), top_int) + 0.5))
+        for h in range(2):  # sums of the quantized values: offsets then weigh the same input as the dots
+            k.store("xs", ts * 2 + h, ir.reduce("add", "j", 16, lambda j: F(integer(16 * h + j)), "vector")
+                    * (top * (1.0 / top_int)))
         with k.loop("j", 32, "vector") as j:
-            # clamped: x / scale rounds to f32 first, and the span's largest could come out a step beyond
-            v = ir.i32(ir.Un("floor", ir.vmin(ir.vmax(x(j) * inv, -DIGIT_MAX), DIGIT_MAX) + 0.5))
-            for i in range(DIGITS):  # digit i is v's low byte (stored); v - digit, over 256, is the rest
-                k.store("xq", (t * DIGITS + i) * cols + c0 + j, v)
+            v = integer(j)
+            for i in range(digits):  # digit i is v's low byte (stored); v - digit, over 256, is the rest
+                k.store("xq", (t * digits + i) * cols + c0 + j, v)
                 v = (v + 128) >> 8
     return k.finish()
 

@@ -149,25 +149,26 @@ class Q6_K(Format):
 ROWS = 16  # rows stored together in the interleaved layouts: a vector of lanes, one row each
 NIBBLES = 0x0F0F0F0F
 DIGITS = 4  # signed base-256 digits of an activation's integer in the dot4 layouts' dots (ops.quantize_input)
+INT8 = 1    # digits of the optional int8-activation mode (as llama.cpp quantizes activations)
 
 
 class Input:
     """A token's row of a matmul's input as the dot of a block at element c0 = b * size reads it: `x(e)`, element
-    c0 + e; for the dot4 layouts (`Format.digits`, inputs written by `ops.quantize_input`), `word(i, e)`, digit i of
-    the integers of elements c0 + e .. c0 + e + 3, a byte each; `scale(e)`, the scale of those integers in the
-    span of 32 holding c0 + e; `sum(e)`, the f32 sum of the 16 elements from c0 + e."""
+    c0 + e; for the dot4 layouts (`Format.digits`, inputs written by `ops.quantize_input`), `word(i, e)`, digit i
+    (of `digits`) of the integers of elements c0 + e .. c0 + e + 3, a byte each; `scale(e)`, the scale of those
+    integers in the span of 32 holding c0 + e; `sum(e)`, the f32 sum of the 16 elements from c0 + e."""
 
-    def __init__(self, k, t, cols, b=0, size=0):
-        self.k, self.t, self.cols, self.b, self.size = k, t, cols, b, size
+    def __init__(self, k, t, cols, digits=DIGITS, b=0, size=0):
+        self.k, self.t, self.cols, self.digits, self.b, self.size = k, t, cols, digits, b, size
 
     def block(self, b, size):
-        return Input(self.k, self.t, self.cols, b, size)
+        return Input(self.k, self.t, self.cols, self.digits, b, size)
 
     def x(self, e):
         return self.k.load("x", self.t * self.cols + self.b * self.size + e)
 
     def word(self, i, e):
-        return _word(self.k, "xq", (self.t * DIGITS + i) * self.cols + self.b * self.size + e)
+        return _word(self.k, "xq", (self.t * self.digits + i) * self.cols + self.b * self.size + e)
 
     def scale(self, e):
         return self.k.load("xd", self.t * (self.cols // 32) + self.b * (self.size // 32) + e // 32)
@@ -217,7 +218,8 @@ def _word(k, buf, i):
 def _digit_dot(sums):
     """sum q * integer over a sub-block, from its sums per digit (each exact in i32: at most 32 4-bit or 16 6-bit
     q times a digit; the low two's sum stays in i32 too)."""
-    parts = [F((sums[1] << 8) + sums[0])] + [F(s) * float(256 ** i) for i, s in enumerate(sums) if i > 1]
+    parts = [F((sums[1] << 8) + sums[0]) if len(sums) > 1 else F(sums[0])]
+    parts += [F(s) * float(256 ** i) for i, s in enumerate(sums) if i > 1]
     return sum(parts[1:], parts[0])
 
 
@@ -230,7 +232,7 @@ def _nibble_dot(k, buf, at, off, inp, e0):
             q = _word(k, buf, at(off + 4 * w, 4))
             return ir.dot4(q & NIBBLES, inp.word(i, e0 + 4 * w)) + ir.dot4((q >> 4) & NIBBLES, inp.word(i, e0 + 16 + 4 * w))
         return ir.reduce("add", "w", 4, step, "unroll")
-    return _digit_dot([digit(i) for i in range(DIGITS)]) * inp.scale(e0)
+    return _digit_dot([digit(i) for i in range(inp.digits)]) * inp.scale(e0)
 
 
 def _nibbles(k, buf, at, off):
@@ -317,7 +319,7 @@ class R6(Interleaved):
             e0 = 128 * n + 32 * i + 16 * h
             sums = [ir.reduce("add", "w", 4, lambda w, d=d: ir.dot4(self.quad(k, buf, at, n, 4 * h + w, i),
                                                                      inp.word(d, e0 + 4 * w)), "unroll")
-                    for d in range(DIGITS)]
+                    for d in range(inp.digits)]
             subs.append(self.scale(k, buf, at, n, 2 * i + h) * (_digit_dot(sums) * inp.scale(e0) - 32.0 * inp.sum(e0)))
         return ir.f16bits(_word(k, buf, at(0, 4))) * sum(subs[1:], subs[0])
 

@@ -43,6 +43,21 @@ def test_decode_steps_match_transformers(engines, default_model):
     assert np.abs(got - reference_logits(default_model, ids)).max() <= 1e-3
 
 
+def test_int8_activations_trade_accuracy_for_speed(cpu, default_model):
+    """The optional int8 inputs (as llama.cpp's): logits about 1 off transformers' (the exact mode: 1e-4), the
+    next token mostly the same; prefill (through the same integer matmuls) and decode steps agree."""
+    eng = jl.Engine(default_model, devices=["cpu"], kv_dtype="f32", activations="int8")
+    ids = (eng.tokenizer.encode(PROMPTS[0]) * 3)[:40]
+    got, ref = eng.score(ids), reference_logits(default_model, ids)
+    assert 0.05 < np.abs(got - ref).max() <= 3.0
+    assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.9
+    with eng.session() as s:
+        steps = np.concatenate([s.feed([t]) for t in ids[:8]])
+    assert np.abs(steps - got[:8]).max() <= 1e-3
+    with pytest.raises(jl.JitllmError, match="activations must be"):
+        jl.Engine(default_model, devices=["cpu"], activations="int4")
+
+
 @pytest.fixture(params=["cpu:1", "vulkan:0"])
 def wide(request):
     """A device as the engine sees a GPU: many threads at once, so it gets the wide schedule (llama.interleaves)

@@ -83,35 +83,45 @@ def test_repacked_layout_holds_the_same_values(cpu, name):
     y = run_on_device(cpu, mm, bufs, {"n_tokens": T, "t0": 0})["y"].reshape(T, rows)
     want = x.astype(np.float64) @ ref.T.astype(np.float64)
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    if fmt.digits:  # int8 inputs: the same dot of the weights with the input as its int8 values spell it
+        q = quantized_input(cpu, x, quant.INT8)
+        xq = q["xq"].view(np.int8).reshape(T, cols) * q["xd"].reshape(T, -1).repeat(32, 1).astype(np.float64)
+        bufs.update(q)
+        y = run_on_device(cpu, ops.matmul(fmt, rows, cols, T, digits=quant.INT8), bufs,
+                          {"n_tokens": T, "t0": 0})["y"].reshape(T, rows)
+        want = xq @ ref.T.astype(np.float64)
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-def quantized_input(device, x):
+def quantized_input(device, x, digits=quant.DIGITS):
     """x [T, cols] as quantize_input writes it on the device: {xq, xd, xs}"""
     T, cols = x.shape
-    bufs = {"x": x.reshape(-1), "xq": np.zeros(T * quant.DIGITS * cols, np.uint8),
+    bufs = {"x": x.reshape(-1), "xq": np.zeros(T * digits * cols, np.uint8),
             "xd": np.zeros(T * cols // 32, np.float32), "xs": np.zeros(T * cols // 16, np.float32)}
-    out = run_on_device(device, ops.quantize_input(cols, T), bufs, {"n_tokens": T})
+    out = run_on_device(device, ops.quantize_input(cols, T, digits), bufs, {"n_tokens": T})
     return {n: out[n] for n in ("xq", "xd", "xs")}
 
 
-def test_quantized_input_holds_the_input(cpu):
+@pytest.mark.parametrize("digits", [quant.DIGITS, quant.INT8])
+def test_quantized_input_holds_the_input(cpu, digits):
     """Each element is its span's scale times the integer its digits spell, rounded to the nearest (half a step
-    away, and f32 rounding of x / scale: f32's precision of each element); the sums are of the 16 elements."""
+    away, and f32 rounding of x / scale: with 4 digits, f32's precision of each element); the sums are of the
+    16 quantized values."""
     rng = np.random.default_rng(5)
     T, cols = 3, 512
     x = (rng.standard_normal((T, cols)) * np.exp(rng.uniform(-8, 8, (T, cols // 32, 1))).repeat(32, 2).reshape(
         T, cols)).astype(np.float32)
     x[1, 32:64] = 0.0   # a span of zeros
-    got = quantized_input(cpu, x)
-    d = got["xq"].reshape(T, quant.DIGITS, cols).transpose(0, 2, 1).reshape(-1, quant.DIGITS)
-    n = (d.view(np.int8).astype(np.int64) << 8 * np.arange(quant.DIGITS)).sum(1)
-    scale = got["xd"].repeat(32)
+    got = quantized_input(cpu, x, digits)
+    d = got["xq"].reshape(T, digits, cols).transpose(0, 2, 1).reshape(-1, digits)
+    n = (d.view(np.int8).astype(np.int64) << 8 * np.arange(digits)).sum(1)
+    scale = got["xd"].repeat(32).astype(np.float64)
     top = np.abs(x.reshape(-1, 32)).max(1)
-    np.testing.assert_allclose(got["xd"], top / ops.DIGIT_MAX, rtol=1e-6)
-    assert np.abs(n).max() <= ops.DIGIT_MAX and (n[x.reshape(-1) == 0] == 0).all()
-    err = np.abs(n * scale.astype(np.float64) - x.reshape(-1))
+    np.testing.assert_allclose(got["xd"], top / ops.digit_max(digits), rtol=1e-6)
+    assert np.abs(n).max() <= ops.digit_max(digits) and (n[x.reshape(-1) == 0] == 0).all()
+    err = np.abs(n * scale - x.reshape(-1))
     assert (err <= 0.5 * scale + np.abs(x.reshape(-1)) * 2.0 ** -21).all()
-    np.testing.assert_allclose(got["xs"], x.reshape(-1, 16).sum(1), rtol=1e-5, atol=1e-6 * np.abs(x).max())
+    np.testing.assert_allclose(got["xs"], (n * scale).reshape(-1, 16).sum(1), rtol=1e-5, atol=1e-6 * np.abs(x).max())
 
 
 def test_interleaved_layouts_keep_odd_row_counts_in_the_file_format():
