@@ -129,11 +129,11 @@ def run_bench(model=None, devices=None, kv_dtype="f16", threads=(1, 2), prompt_t
                 row[name] = {"prompt_tok_s": statistics.median(m[0] for m in ms),
                              "decode_tok_s": statistics.median(m[1] for m in ms)}
         results.append(row)
-    print_report(results, model_path, prompt_tokens, decode_tokens, repeats, out)
+    print_report(results, model_path, prompt_tokens, decode_tokens, repeats, out, activations)
     return results
 
 
-def print_report(results, model_path, prompt_tokens, decode_tokens, repeats, out):
+def print_report(results, model_path, prompt_tokens, decode_tokens, repeats, out, activations="f32"):
     peer = any("llama.cpp" in r for r in results)
     engines = ["jitllm", "llama.cpp"] if peer else ["jitllm"]
     bpt = results[0]["bytes_per_token"]
