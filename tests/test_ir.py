@@ -69,10 +69,15 @@ def test_cpu_matches_interpreter(cpu, case):
     assert_matches_interpreter(cpu, k, inputs_for(k), scalars)
 
 
-def test_cpu_dot4_without_vnni(cpu, monkeypatch):
-    """The lowering for CPUs without AVX-512 VNNI (bytes widened and multiplied), on this one."""
+@pytest.mark.parametrize("width,isa", [(16, {"avx512bw"}), (16, set()), (8, {"avx512vnni", "avx512vl"}),
+                                       (8, {"avx2"}), (8, set())],
+                         ids=["16-maddubs", "16-plain", "8-vnni", "8-maddubs", "8-plain"])
+def test_cpu_dot4_on_other_cpus(cpu, monkeypatch, width, isa):
+    """The lowerings of dot4 for CPUs without AVX-512 VNNI (pmaddubsw where the unsigned bytes are below 128,
+    widened bytes elsewhere) and with 8-lane vectors (AVX2, AVX-VNNI), on this one."""
     from jitllm_cpu_llvm import runtime
-    monkeypatch.setattr(runtime, "vnni", lambda: False)
+    monkeypatch.setattr(runtime, "isa", lambda: frozenset(isa))
+    monkeypatch.setattr(runtime, "simd_width", lambda: width)
     k = CASES["byte_dots"][0]()
     assert_matches_interpreter(cpu, k, inputs_for(k), {})
 

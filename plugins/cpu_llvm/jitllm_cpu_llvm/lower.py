@@ -95,8 +95,8 @@ def _identity(op, dtype):
 
 
 class KernelLowering:
-    def __init__(self, module: L.Module, kernel: ir.Kernel, width: int, vnni=False):
-        self.k, self.W, self.vnni = kernel, width, vnni
+    def __init__(self, module: L.Module, kernel: ir.Kernel, width: int, isa=frozenset()):
+        self.k, self.W, self.isa = kernel, width, isa
         args = [PTR] * len(kernel.buffers) + [I32] * len(kernel.scalars) + [I32, I32, PTR]
         self.fn = L.Function(module, L.FunctionType(VOID, args), name=f"k_{kernel.name}_{kernel.key()}")
         self.fn.attributes.add("noinline")
@@ -336,21 +336,30 @@ class KernelLowering:
             return b.select(b.icmp_signed("<" if op == "min" else ">", y, x), y, x)
         return b.icmp_signed({"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}[op], x, y)
 
-    def dot4(self, x, y, acc=None):
-        """IR dot4 of x and y (plus acc): one vpdpbusd for 16 lanes where the CPU has AVX-512 VNNI (the add into
-        acc included), else the bytes widened, multiplied and summed in fours."""
+    def dot4(self, x, y, acc=None, small=False):
+        """IR dot4 of x and y (plus acc): one vpdpbusd where the CPU has VNNI for the vector's width (the add into
+        acc included); where it has not, and x's bytes are `small` (below 128: pmaddubsw's pair sums cannot
+        saturate), pmaddubsw and pmaddwd; else the bytes widened, multiplied and summed in fours."""
         b = self.b
         n = x.type.count if isinstance(x.type, L.VectorType) else 1
-        if self.vnni and n == 16:
-            bt = L.VectorType(I8, 64)
-            fn = self.declare("llvm.x86.avx512.vpdpbusd.512", x.type, [x.type, bt, bt])
+        bt = L.VectorType(I8, 4 * n)
+        if n == 16 and "avx512vnni" in self.isa or n == 8 and ("avxvnni" in self.isa or
+                                                               {"avx512vnni", "avx512vl"} <= self.isa):
+            fn = self.declare(f"llvm.x86.avx512.vpdpbusd.{32 * n}", x.type, [x.type, bt, bt])
             return b.call(fn, [L.Constant(x.type, None) if acc is None else acc, b.bitcast(x, bt), b.bitcast(y, bt)])
-        bt, wt = L.VectorType(I8, 4 * n), L.VectorType(I32, 4 * n)
-        prod = b.mul(b.zext(b.bitcast(x, bt), wt), b.sext(b.bitcast(y, bt), wt))
-        fours = [b.shuffle_vector(prod, prod, L.Constant(L.VectorType(I32, n), list(range(i, 4 * n, 4))))
-                 for i in range(4)]
-        v = b.add(b.add(fours[0], fours[1]), b.add(fours[2], fours[3]))
-        v = v if n > 1 else b.extract_element(v, L.Constant(I32, 0))
+        madd = {16: ("avx512bw", "llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512"),
+                8: ("avx2", "llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd")}.get(n)
+        if small and madd and madd[0] in self.isa:
+            ht = L.VectorType(I16, 2 * n)
+            pairs = b.call(self.declare(madd[1], ht, [bt, bt]), [b.bitcast(x, bt), b.bitcast(y, bt)])
+            v = b.call(self.declare(madd[2], x.type, [ht, ht]), [pairs, L.Constant(ht, [1] * 2 * n)])
+        else:
+            wt = L.VectorType(I32, 4 * n)
+            prod = b.mul(b.zext(b.bitcast(x, bt), wt), b.sext(b.bitcast(y, bt), wt))
+            fours = [b.shuffle_vector(prod, prod, L.Constant(L.VectorType(I32, n), list(range(i, 4 * n, 4))))
+                     for i in range(4)]
+            v = b.add(b.add(fours[0], fours[1]), b.add(fours[2], fours[3]))
+            v = v if n > 1 else b.extract_element(v, L.Constant(I32, 0))
         return v if acc is None else b.add(acc, v)
 
     def unop(self, op, x, dt):
@@ -523,6 +532,9 @@ class KernelLowering:
             x, y = self.vexpr(e.a, venv), self.vexpr(e.b, venv)
             if x.kind == "u" and y.kind == "u":
                 return VVal("u", self.binop(e.op, x.val, y.val, e.a.dtype))
+            if e.op == "dot4":
+                return VVal("v", self.dot4(self.to_vec(x, "i32"), self.to_vec(y, "i32"),
+                                           small=_bits(e.a) & 0x80808080 == 0))
             if e.a.dtype == "i32" and "v" not in (x.kind, y.kind):  # keep affine indices affine
                 if e.op in ("add", "sub"):
                     f, sign = (b.add, 1) if e.op == "add" else (b.sub, -1)
@@ -572,7 +584,8 @@ class KernelLowering:
             for t, is_dot4 in zip(terms, dot4):
                 chain = chains[n % n_chains] if len(chains) == n_chains else None
                 if is_dot4:
-                    v = self.dot4(self.to_vec(self.vexpr(t.a, env), "i32"), self.to_vec(self.vexpr(t.b, env), "i32"), chain)
+                    v = self.dot4(self.to_vec(self.vexpr(t.a, env), "i32"), self.to_vec(self.vexpr(t.b, env), "i32"),
+                                  chain, _bits(t.a) & 0x80808080 == 0)
                 else:
                     v = self.to_vec(self.vexpr(t, env), dt)
                     v = v if chain is None else self.combine(e.op, chain, v, dt)
@@ -962,6 +975,22 @@ def _terms(e):
     return [e]
 
 
+def _bits(e):
+    """The bits an i32 expression can have set (all of them where its structure does not show fewer)."""
+    if isinstance(e, ir.Const) and e.dtype == "i32":
+        return e.value & 0xFFFFFFFF
+    if isinstance(e, ir.Bin) and e.op in ("and", "or"):
+        a, b = _bits(e.a), _bits(e.b)
+        return a & b if e.op == "and" else a | b
+    if isinstance(e, ir.Bin) and e.op in ("shl", "shr") and isinstance(e.b, ir.Const):
+        a, c = _bits(e.a), e.b.value & 31
+        if e.op == "shl":
+            return (a << c) & 0xFFFFFFFF
+        sign = (0xFFFFFFFF << (32 - c)) & 0xFFFFFFFF if a & 0x80000000 else 0  # copies of the sign bit
+        return a >> c | sign
+    return 0xFFFFFFFF
+
+
 def _address_key(e, consts):
     """A structural key of an i32 index expression, names in `consts` replaced by their values and constant
     subexpressions folded: equal for two evaluations of the same address."""
@@ -994,7 +1023,7 @@ def _children(e):
     return ()
 
 
-def program_module(launch_slots, kernels, width, triple, vnni=False) -> L.Module:
+def program_module(launch_slots, kernels, width, triple, isa=frozenset()) -> L.Module:
     """One module: every distinct kernel, the barrier, and `step` that calls the launches in order.
 
     launch_slots: list of (kernel key, [buffer slot per buffer param], [scalar slot per scalar param],
@@ -1006,7 +1035,7 @@ def program_module(launch_slots, kernels, width, triple, vnni=False) -> L.Module
     fns = {}
     for k in kernels:
         if k.key() not in fns:
-            fns[k.key()] = KernelLowering(m, k, width, vnni).lower()
+            fns[k.key()] = KernelLowering(m, k, width, isa).lower()
     sig = L.FunctionType(VOID, [PTR, PTR, I32, I32, PTR])
     step = L.Function(m, sig, name="jl_step")
     sb = L.IRBuilder(step.append_basic_block("entry"))

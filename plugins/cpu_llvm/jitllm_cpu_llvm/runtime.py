@@ -49,9 +49,13 @@ def simd_width():
     return 16 if feats.get("avx512f") else 8 if feats.get("avx2") else 4
 
 
-def vnni():
-    """Whether this CPU multiplies bytes four to a lane (AVX-512 VNNI: IR dot4 in one instruction)."""
-    return bool(llvm.get_host_cpu_features().get("avx512vnni"))
+ISA = ("avx512vnni", "avxvnni", "avx512vl", "avx512bw", "avx2")  # what the lowering of IR dot4 picks from
+
+
+def isa():
+    """The x86 features of this CPU that the lowering chooses instructions by (VNNI's byte dots and the like)."""
+    feats = llvm.get_host_cpu_features()
+    return frozenset(f for f in ISA if feats.get(f))
 
 
 class Compiled:
@@ -136,10 +140,10 @@ class CpuProgram(Program):
         for i in barriers_needed(launches):
             slots[i][3] = True
         kernels = [ln.kernel for ln in launches]
-        key = digest(LOWERING, slots, simd_width(), vnni(), llvm.get_process_triple(), llvm.get_host_cpu_name(),
+        key = digest(LOWERING, slots, simd_width(), sorted(isa()), llvm.get_process_triple(), llvm.get_host_cpu_name(),
                      llvm.get_host_cpu_features().flatten(), llvmlite.__version__)
         self.compiled = device.compile(key, lambda: str(lower.program_module(slots, kernels, simd_width(),
-                                                                             llvm.get_process_triple(), vnni())))
+                                                                             llvm.get_process_triple(), isa())))
         self.scalar_slots = sslot
         self.keep = [b for _, b in bslot.values()]
         self.bufs = (ctypes.c_void_p * max(1, len(bslot)))(*[b.addr for _, b in sorted(bslot.values(), key=lambda t: t[0])])
