@@ -292,46 +292,42 @@ class R8(Interleaved):
 
 
 class R6(Interleaved):
-    """Q6_K's super-blocks of 256: the file's block in words, [d f16, 2 bytes unused][16 scales i8][ql: 128 bytes]
-    [qh: 64 bytes] per row. Word l of 32 (n = l // 8, l4 = l % 8) of ql's low nibbles, of its 32 + l's, of their
-    high nibbles and of their 32 + l's hold the low 4 bits of the elements 128 n + 32 i + 4 l4 + j (i = 0, 1, 2,
-    3), bits 2 i of qh's word 8 n + l4 their high 2; sub-block s (16 elements) has scale s; value = d * scale_s *
-    (q - 32). Dots read q from each of the 4 quads of 6-bit bytes and subtract 32 times the input's sums."""
+    """Q6_K's super-blocks of 256: [d f16, 2 bytes unused][16 scales i8][16 sub-blocks x 3 words] per row. The 3
+    words of sub-block s (16 elements, scale s) hold its 6-bit q: byte j of word k (k = 0, 1, 2) q of element
+    4 k + j in its low 6 bits, and bits 2 k, 2 k + 1 of element 12 + j's q in its top 2; value = d * scale_s *
+    (q - 32). A dot reads 3 quads of q with one mask each, the fourth from the words' tops, and subtracts 32
+    times the input's sums. Pieces: the block's halves."""
     digits = True
+    pieces = 2
 
-    pieces = 2  # n: the halves of the block
+    def quads(self, k, buf, at, s):
+        """the 4 words of q of sub-block s (an expression), byte j of word i: element 4 i + j"""
+        w = [_word(k, buf, at(20 + 12 * s + 4 * i, 4)) for i in range(3)]
+        return [x & 0x3F3F3F3F for x in w] + \
+            [((w[0] >> 6) & 0x03030303) | ((w[1] >> 4) & 0x0C0C0C0C) | ((w[2] >> 2) & 0x30303030)]
 
-    def quad(self, k, buf, at, n, l4, i):
-        """q of elements 128 n + 32 i + 4 l4 + j, byte j of the word"""
-        lo = _word(k, buf, at(20 + 64 * n + 32 * (i % 2) + 4 * l4, 4))
-        hi = _word(k, buf, at(148 + 32 * n + 4 * l4, 4))
-        lo = lo & NIBBLES if i < 2 else (lo >> 4) & NIBBLES
-        return lo | ((hi << 4 - 2 * i if i < 2 else hi >> 2 * i - 4) & 0x30303030)
+    def scale(self, k, buf, at, s4, j):
+        """scale of sub-block 4 s4 + j"""
+        return F((_word(k, buf, at(4 + 4 * s4, 4)) << 24 - 8 * j) >> 24)
 
-    def scale(self, k, buf, at, n, s):
-        """scale of sub-block 8 n + s"""
-        return F((_word(k, buf, at(4 + 8 * n + s // 4 * 4, 4)) << 24 - 8 * (s % 4)) >> 24)
-
-    def block_dot(self, k, buf, at, inp, n):
+    def block_dot(self, k, buf, at, inp, half):
         subs = []
-        # the 4 sub-blocks (i) of one run of words one after another: each word is read for all of them at once
-        for h, i in ((h, i) for h in range(2) for i in range(4)):
-            e0 = 128 * n + 32 * i + 16 * h
-            sums = [ir.reduce("add", "w", 4, lambda w, d=d: ir.dot4(self.quad(k, buf, at, n, 4 * h + w, i),
-                                                                     inp.word(d, e0 + 4 * w)), "unroll")
+        for j in range(8):
+            s, e0 = half * 8 + j, half * 128 + 16 * j
+            q = self.quads(k, buf, at, s)
+            sums = [ir.reduce("add", "i", 4, lambda i, d=d: ir.dot4(ir.select(i < 2, ir.select(i < 1, q[0], q[1]),
+                                                                              ir.select(i < 3, q[2], q[3])),
+                                                                    inp.word(d, e0 + 4 * i)), "unroll")
                     for d in range(inp.digits)]
-            subs.append(self.scale(k, buf, at, n, 2 * i + h) * (_digit_dot(sums) * inp.scale(e0) - 32.0 * inp.sum(e0)))
+            subs.append(self.scale(k, buf, at, half * 2 + j // 4, j % 4)
+                        * (_digit_dot(sums) * inp.scale(e0) - 32.0 * inp.sum(e0)))
         return ir.f16bits(_word(k, buf, at(0, 4))) * sum(subs[1:], subs[0])
 
     def block_values(self, k, buf, at):
         d, out = ir.f16bits(_word(k, buf, at(0, 4))), []
-        for n, l4, i in ((n, l4, i) for n in range(2) for l4 in range(8) for i in range(4)):
-            lo = _word(k, buf, at(20 + 64 * n + 32 * (i % 2) + 4 * l4, 4))
-            hi = _word(k, buf, at(148 + 32 * n + 4 * l4, 4))
-            e0 = 128 * n + 32 * i + 4 * l4
-            sc = d * self.scale(k, buf, at, n, e0 % 128 // 16)
-            # low - 32 and the high bits apart: each a float of a function of 4 bits (a table lookup on the CPU)
-            out += [(e0 + j, sc * (F(((lo >> 8 * j + 4 * (i // 2)) & 15) - 32) + F(((hi >> 8 * j + 2 * i) & 3) << 4)))
+        for s in range(16):
+            sc = d * self.scale(k, buf, at, s // 4, s % 4)
+            out += [(16 * s + 4 * i + j, sc * F(((q >> 8 * j) & 63) - 32)) for i, q in enumerate(self.quads(k, buf, at, s))
                     for j in range(4)]
         return out
 
@@ -408,8 +404,12 @@ def _pack_q4_k(b, rows):
 
 
 def _pack_q6_k(b, rows):
+    ql, qh = b[:, :128].reshape(-1, 2, 2, 32), b[:, 128:192].reshape(-1, 2, 1, 32)
+    low = np.concatenate([ql & 15, ql >> 4], axis=2)                                  # [n][i][l]: 128 n + 32 i + l
+    q = (low | ((qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3) << 4).reshape(-1, 16, 4, 4)  # [s][k][j]
+    words = q[:, :, :3] | (((q[:, :, 3:] >> np.array([0, 2, 4], np.uint8)[:, None]) & 3) << 6)
     unused = np.zeros((len(b), 2), np.uint8)
-    return _words(rows, np.concatenate([b[:, 208:210], unused, b[:, 192:208], b[:, :192]], axis=1))
+    return _words(rows, np.concatenate([b[:, 208:210], unused, b[:, 192:208], words.reshape(-1, 192)], axis=1))
 
 
 REPACK = {"Q8_0": ("R8", _pack_q8_0), "Q4_0": ("R4", _pack_q4_0), "Q4_1": ("R4", _pack_q4_1),
