@@ -156,7 +156,7 @@ class Input:
     """A token's row of a matmul's input as the dot of a block at element c0 = b * size reads it: `x(e)`, element
     c0 + e; for the dot4 layouts (`Format.digits`, inputs written by `ops.quantize_input`), `word(i, e)`, digit i
     (of `digits`) of the integers of elements c0 + e .. c0 + e + 3, a byte each; `scale(e)`, the scale of those
-    integers in the span of 32 holding c0 + e; `sum(e)`, the f32 sum of the 16 elements from c0 + e."""
+    integers in the span of 32 holding c0 + e; `sum(e)`, the sum of the 16 elements from c0 + e as quantized."""
 
     def __init__(self, k, t, cols, digits=DIGITS, b=0, size=0):
         self.k, self.t, self.cols, self.digits, self.b, self.size = k, t, cols, digits, b, size
@@ -315,9 +315,7 @@ class R6(Interleaved):
         for j in range(8):
             s, e0 = half * 8 + j, half * 128 + 16 * j
             q = self.quads(k, buf, at, s)
-            sums = [ir.reduce("add", "i", 4, lambda i, d=d: ir.dot4(ir.select(i < 2, ir.select(i < 1, q[0], q[1]),
-                                                                              ir.select(i < 3, q[2], q[3])),
-                                                                    inp.word(d, e0 + 4 * i)), "unroll")
+            sums = [sum((ir.dot4(q[i], inp.word(d, e0 + 4 * i)) for i in range(1, 4)), ir.dot4(q[0], inp.word(d, e0)))
                     for d in range(inp.digits)]
             subs.append(self.scale(k, buf, at, half * 2 + j // 4, j % 4)
                         * (_digit_dot(sums) * inp.scale(e0) - 32.0 * inp.sum(e0)))

@@ -10,7 +10,9 @@ vector loop, reduces over a uniform loop run across the lanes (outer-loop vector
 loop sharing what they load, two vectors of lanes per iteration, unrolled reduces inside them spread over
 four chains; stores under a lane-varying `if` are masked. What quantized weights need is recognized in the
 IR rather than written per format: a little-endian field assembled from bytes is one wide load, a float of a
-function of 4 bits is one table lookup (vpermps), and addresses keep each index term's offset visible.
+function of 4 bits is one table lookup (vpermps), addresses keep each index term's offset visible, and a
+sum of `dot4`s accumulates each into the sum so far (VNNI's vpdpbusd; pmaddubsw where the CPU has no VNNI and
+the bytes are provably small). Weights streamed from memory are prefetched a few KB ahead, once per address.
 A program module adds `step(ptr bufs, ptr scalars, tid, nth, barrier)` that calls every launch's kernel in
 order (through functions of STEP_PART launches each) with a barrier after each that a later launch depends on.
 """
@@ -529,12 +531,13 @@ class KernelLowering:
                 v = self.field_load(field, venv)
                 if v:
                     return v
+            if e.op == "add" and e.dtype == "i32" and any(_is_dot4(t) for t in _terms(e)):
+                return VVal("v", self.dot4_sum(_terms(e), venv))
             x, y = self.vexpr(e.a, venv), self.vexpr(e.b, venv)
             if x.kind == "u" and y.kind == "u":
                 return VVal("u", self.binop(e.op, x.val, y.val, e.a.dtype))
             if e.op == "dot4":
-                return VVal("v", self.dot4(self.to_vec(x, "i32"), self.to_vec(y, "i32"),
-                                           small=_bits(e.a) & 0x80808080 == 0))
+                return VVal("v", self.dot4(self.to_vec(x, "i32"), self.to_vec(y, "i32"), small=_small_bytes(e.a)))
             if e.a.dtype == "i32" and "v" not in (x.kind, y.kind):  # keep affine indices affine
                 if e.op in ("add", "sub"):
                     f, sign = (b.add, 1) if e.op == "add" else (b.sub, -1)
@@ -564,6 +567,17 @@ class KernelLowering:
             return VVal("v", b.select(self.to_vec(c, "bool"), self.to_vec(x, e.dtype), self.to_vec(y, e.dtype)))
         raise NotVectorizable(repr(e))
 
+    def dot4_sum(self, terms, venv, acc=None):
+        """A sum of i32 terms (onto acc), each dot4 adding into the sum so far (one vpdpbusd each)."""
+        for t in terms:
+            if _is_dot4(t):
+                acc = self.dot4(self.to_vec(self.vexpr(t.a, venv), "i32"), self.to_vec(self.vexpr(t.b, venv), "i32"),
+                                acc, _small_bytes(t.a))
+            else:
+                v = self.to_vec(self.vexpr(t, venv), "i32")
+                acc = v if acc is None else self.b.add(acc, v)
+        return acc
+
     def unrolled_reduce(self, e, venv):
         """An unrolled reduce in a vector body: its iterations' summands spread over UNROLL_ACCS chains of
         multiply-adds (or of dot4s, each adding into its chain), so that the add latency does not bound it,
@@ -571,21 +585,20 @@ class KernelLowering:
         dt, chains, n = e.value.dtype, [], 0
         self.memo.setdefault(PREFETCHED, set())  # shared by the iterations' memos, as what they load is
         terms = _terms(e.value) if e.op == "add" else [e.value]
-        dot4 = [isinstance(t, ir.Bin) and t.op == "dot4" and e.op == "add" for t in terms]
         # a sum of dot4s (a sub-block's bytes times one digit) keeps one chain: its kind comes many to a block, which
         # overlap each other, and joining chains would cost more adds than the dot4s save waiting
-        n_chains = 1 if all(dot4) else UNROLL_ACCS
+        dot4s = e.op == "add" and all(_is_dot4(t) for t in terms)
+        n_chains = 1 if dot4s else UNROLL_ACCS
         for j in range(e.extent.value):
             saved = self.memo
             self.memo = dict(saved)  # values of the enclosing body stay shared; this iteration's are its own
             # consecutive iterations read consecutive vectors of bytes (interleaved weights): one prefetch per line
             self.prefetching = j % max(1, 64 // self.W) == 0
             env = {**venv, e.var: VVal("u", L.Constant(I32, j))}
-            for t, is_dot4 in zip(terms, dot4):
+            for t in terms:
                 chain = chains[n % n_chains] if len(chains) == n_chains else None
-                if is_dot4:
-                    v = self.dot4(self.to_vec(self.vexpr(t.a, env), "i32"), self.to_vec(self.vexpr(t.b, env), "i32"),
-                                  chain, _bits(t.a) & 0x80808080 == 0)
+                if dot4s:
+                    v = self.dot4_sum([t], env, chain)
                 else:
                     v = self.to_vec(self.vexpr(t, env), dt)
                     v = v if chain is None else self.combine(e.op, chain, v, dt)
@@ -622,8 +635,8 @@ class KernelLowering:
         digit of the input, and prefetches take load slots."""
         p = self.k.buffers[buf]
         done = self.memo.setdefault(PREFETCHED, set())
-        key = (buf, _address_key(index, {**{n: v.val.constant for n, v in venv.items() if v.kind == "u"
-                                            and isinstance(v.val, L.Constant)}}))
+        key = (buf, _address_key(index, {n: v.val.constant for n, v in venv.items()
+                                         if v.kind == "u" and isinstance(v.val, L.Constant)}))
         if PREFETCH and not p.write and p.dtype == "u8" and p.size >= PREFETCH_MIN and key not in done:
             done.add(key)
             ahead = self.b.gep(ptr, [L.Constant(I32, PREFETCH)], source_etype=I8)
@@ -989,6 +1002,15 @@ def _bits(e):
         sign = (0xFFFFFFFF << (32 - c)) & 0xFFFFFFFF if a & 0x80000000 else 0  # copies of the sign bit
         return a >> c | sign
     return 0xFFFFFFFF
+
+
+def _is_dot4(e):
+    return isinstance(e, ir.Bin) and e.op == "dot4"
+
+
+def _small_bytes(e):
+    """Whether every byte of i32 e is below 128 (pmaddubsw's pair sums of them cannot saturate)."""
+    return _bits(e) & 0x80808080 == 0
 
 
 def _address_key(e, consts):
