@@ -11,8 +11,8 @@ At load, the ggml 8-, 4- and 6-bit formats are repacked (`repack`) into *row-int
 values (`Interleaved`: R8, R4, R4K, R6): ROWS rows stored together, each field of a block holding the rows'
 bytes side by side, so that a vector whose lanes are rows reads every field -- scales as well as quants -- with one
 contiguous load and a dot product keeps each row's sum in its own lane (no horizontal sum per block, no scale
-broadcast). R4, R4K and R6 are *dot4 layouts*: their fields are words (the file's nibble order, 4 weights to a
-word), and their dots multiply the weights' integers by the input's (`ops.quantize_input`: 4 signed base-256
+broadcast). R4, R4K and R6 are *dot4 layouts*: their fields are words (4 weights to a word: 4-bit ones in the
+file's nibble order, Q6_K's q whole), and their dots multiply the weights' integers by the input's (`ops.quantize_input`: 4 signed base-256
 digits per element, as exact as f32) with `ir.dot4`, 4 byte products to a lane per instruction where the CPU has
 VNNI, then apply the scales in f32 (d * scale * sum q x + offset * sum x, the input's sums read for the
 offsets). Sizes are the file's (Q4_K: 4.6 bits per weight instead of 4.5, its packed 6-bit scales widened to
