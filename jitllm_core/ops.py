@@ -102,10 +102,10 @@ def quantize_input(cols: int, T: int, digits: int = DIGITS) -> ir.Kernel:
     """x -> what the dot4 layouts' dots read of it (quant.Input), once per input instead of once per row: per span
     of 32 elements a scale, max |x| / digit_max, and each element's integer round(x / scale) as `digits` balanced
     base-256 digits (each in [-128, 127], an int8 for dot4; digit i of a token's elements in a row of bytes, 4
-    consecutive elements a word); per span of 16 the sum of those values. With DIGITS (4), x / scale, rounded to f32 first, keeps
-    each element's 24 bits where it can (|x| > 2^-6 max |x|), else 30 bits of the largest: activations as exact
-    as f32 (a span's outlier would cost its neighbours their low bits with fewer digits). With INT8 (1), as
-    llama.cpp quantizes activations: SmolLM2's logits move by ~1."""
+    consecutive elements a word); per span of 16 the sum of those values. With DIGITS (4), x / scale, rounded to
+    f32 first, keeps each element's 24 bits where it can (|x| > 2^-6 max |x|), else 30 bits of the largest:
+    activations as exact as f32 (a span's outlier would cost its neighbours their low bits with fewer digits).
+    With INT8 (1), as llama.cpp quantizes activations: SmolLM2's logits move by ~1."""
     top_int = digit_max(digits)
     k = ir.Kernel(f"quantize_input_{cols}_T{T}" + (f"_d{digits}" if digits != DIGITS else ""))
     k.buffer("x", "f32", T * cols), k.buffer("xq", "u8", T * digits * cols, True)
@@ -115,13 +115,13 @@ def quantize_input(cols: int, T: int, digits: int = DIGITS) -> ir.Kernel:
         t, c0 = ts // spans, ts % spans * 32
         x = lambda j: k.load("x", ts * 32 + j)
         top = k.let("top", ir.reduce("max", "j", 32, lambda j: ir.Un("abs", x(j)), "vector"))
-        k.store("xd", ts, top * (1.0 / top_int))
+        scale = k.let("scale", top * (1.0 / top_int))
+        k.store("xd", ts, scale)
         inv = k.let("inv", float(top_int) / ir.vmax(top, 1e-30))  # a span of zeros stays zeros
         # clamped: x / scale rounds to f32 first, and the span's largest could come out a step beyond
         integer = lambda j: ir.i32(ir.Un("floor", ir.vmin(ir.vmax(x(j) * inv, -top_int), top_int) + 0.5))
         for h in range(2):  # sums of the quantized values: offsets then weigh the same input as the dots
-            k.store("xs", ts * 2 + h, ir.reduce("add", "j", 16, lambda j: F(integer(16 * h + j)), "vector")
-                    * (top * (1.0 / top_int)))
+            k.store("xs", ts * 2 + h, ir.reduce("add", "j", 16, lambda j: F(integer(16 * h + j)), "vector") * scale)
         with k.loop("j", 32, "vector") as j:
             v = integer(j)
             for i in range(digits):  # digit i is v's low byte (stored); v - digit, over 256, is the rest

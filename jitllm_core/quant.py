@@ -12,11 +12,11 @@ values (`Interleaved`: R8, R4, R4K, R6): ROWS rows stored together, each field o
 bytes side by side, so that a vector whose lanes are rows reads every field -- scales as well as quants -- with one
 contiguous load and a dot product keeps each row's sum in its own lane (no horizontal sum per block, no scale
 broadcast). R4, R4K and R6 are *dot4 layouts*: their fields are words (4 weights to a word: 4-bit ones in the
-file's nibble order, Q6_K's q whole), and their dots multiply the weights' integers by the input's (`ops.quantize_input`: 4 signed base-256
-digits per element, as exact as f32) with `ir.dot4`, 4 byte products to a lane per instruction where the CPU has
-VNNI, then apply the scales in f32 (d * scale * sum q x + offset * sum x, the input's sums read for the
-offsets). Sizes are the file's (Q4_K: 4.6 bits per weight instead of 4.5, its packed 6-bit scales widened to
-bytes; Q6_K: 212 bytes a block instead of 210, to keep words whole).
+file's nibble order, Q6_K's q whole), and their dots multiply the weights' integers by the input's
+(`ops.quantize_input`: 4 signed base-256 digits per element, as exact as f32) with `ir.dot4`, 4 byte products
+to a lane per instruction where the CPU has VNNI, then apply the scales in f32 (d * scale * sum q x + offset *
+sum x, the input's sums read for the offsets). Sizes are the file's (Q4_K: 4.6 bits per weight instead of 4.5,
+its packed 6-bit scales widened to bytes; Q6_K: 212 bytes a block instead of 210, to keep words whole).
 """
 from __future__ import annotations
 
@@ -230,7 +230,8 @@ def _nibble_dot(k, buf, at, off, inp, e0):
     def digit(i):
         def step(w):
             q = _word(k, buf, at(off + 4 * w, 4))
-            return ir.dot4(q & NIBBLES, inp.word(i, e0 + 4 * w)) + ir.dot4((q >> 4) & NIBBLES, inp.word(i, e0 + 16 + 4 * w))
+            return ir.dot4(q & NIBBLES, inp.word(i, e0 + 4 * w)) + \
+                ir.dot4((q >> 4) & NIBBLES, inp.word(i, e0 + 16 + 4 * w))
         return ir.reduce("add", "w", 4, step, "unroll")
     return _digit_dot([digit(i) for i in range(inp.digits)]) * inp.scale(e0)
 
@@ -325,8 +326,8 @@ class R6(Interleaved):
         d, out = ir.f16bits(_word(k, buf, at(0, 4))), []
         for s in range(16):
             sc = d * self.scale(k, buf, at, s // 4, s % 4)
-            out += [(16 * s + 4 * i + j, sc * F(((q >> 8 * j) & 63) - 32)) for i, q in enumerate(self.quads(k, buf, at, s))
-                    for j in range(4)]
+            out += [(16 * s + 4 * i + j, sc * F(((q >> 8 * j) & 63) - 32))
+                    for i, q in enumerate(self.quads(k, buf, at, s)) for j in range(4)]
         return out
 
 

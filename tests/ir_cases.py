@@ -117,7 +117,8 @@ def byte_dots(groups=2, n=16, steps=6):
         with k.loop("l", n, "vector") as l:
             def word(j):
                 i = ((g * steps + j) * n + l) * 4
-                return k.load("w", i) | (k.load("w", i + 1) << 8) | (k.load("w", i + 2) << 16) | (k.load("w", i + 3) << 24)
+                return (k.load("w", i) | (k.load("w", i + 1) << 8) | (k.load("w", i + 2) << 16)
+                        | (k.load("w", i + 3) << 24))
 
             def step(j):
                 return ir.dot4(word(j) & 0x0F0F0F0F, k.load("x", 2 * j)) + \

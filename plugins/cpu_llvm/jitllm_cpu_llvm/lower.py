@@ -397,7 +397,8 @@ class KernelLowering:
                 return b.zext(x, ty(I32))
             # NaN and values beyond i32 give 0, as on the other backends; a compare and a select, which stay
             # vector instructions (LLVM's fptosi.sat goes lane by lane on x86)
-            fits = b.fcmp_ordered("<", b.call(self.intrinsic("llvm.fabs", x.type), [x]), self.splat_like(x, F32, 2.0 ** 31))
+            fits = b.fcmp_ordered("<", b.call(self.intrinsic("llvm.fabs", x.type), [x]),
+                                  self.splat_like(x, F32, 2.0 ** 31))
             return b.select(fits, b.fptosi(x, ty(I32)), self.splat_like(x, I32, 0))
         return self.binop("ne", x, self.splat_like(x, COMPUTE[src], 0), src)
 
