@@ -109,7 +109,6 @@ class Engine:
         self.max_context = min(int(max_context or min(cfg.context, DEFAULT_CONTEXT)), cfg.context)
         self.kv_dtype = kv_dtype
         n_pages = -(-self.max_context // PAGE)
-        self.activations = activations
         self.model = Llama(self.mf, STEP_TOKENS, PAGE, n_pages, kv_dtype, ACTIVATION_DIGITS[activations])
         self.rope_freqs = self.mf.rope_freqs()
         self.devices = self._pick_devices(devices, threads)

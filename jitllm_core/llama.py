@@ -245,6 +245,7 @@ class Llama:
     def activations(self):
         c, T = self.cfg, self.T
         q, kv = c.n_head * c.head_dim, c.n_kv * c.head_dim
+        inp = T * max(c.dim, q, c.ffn)  # the widest matmul input of a step
         return {"tok": ("i32", T), "x": ("f32", T * c.dim), "xn": ("f32", T * c.dim), "q": ("f32", T * q),
                 "k": ("f32", T * kv), "v": ("f32", T * kv), "att": ("f32", T * q), "g": ("f32", T * c.ffn),
                 "u": ("f32", T * c.ffn), "h": ("f32", T * c.ffn), "logits": ("f32", T * c.vocab),
@@ -252,10 +253,9 @@ class Llama:
                 # a chunk of one layer matrix, dequantized
                 "wdq": ("f32", max((_chunk_rows(*shape) or shape[0]) * shape[1]
                                    for shape, as_f32 in self.weight_shapes(0).values() if not as_f32)),
-                "xt": ("f32", T * max(c.dim, q, c.ffn)),  # a matmul's input, transposed for prefill
+                "xt": ("f32", inp),  # a matmul's input, transposed for prefill
                 # a matmul's input as the dot4 layouts read it (ops.quantize_input)
-                "xq": ("u8", T * max(c.dim, q, c.ffn) * self.digits), "xd": ("f32", T * max(c.dim, q, c.ffn) // 32),
-                "xs": ("f32", T * max(c.dim, q, c.ffn) // 16)}
+                "xq": ("u8", inp * self.digits), "xd": ("f32", inp // 32), "xs": ("f32", inp // 16)}
 
     def activation_bytes(self):
         """What every device that runs a unit holds besides the units: activations, constants, a margin."""
