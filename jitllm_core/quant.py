@@ -184,7 +184,7 @@ class Interleaved(Format):
     A format gives, for one block of one row (`at`: its fields' byte indices), `block_dot` -- the dot product of
     a piece of it with the input's block (an `Input`) -- and `block_values`, its elements."""
     interleave = ROWS
-    pieces = 1  # a block's dot in pieces, an iteration each: fewer values live at once (LLVM spilled R6's)
+    pieces = 1  # a block's dot in pieces, an iteration each: fewer values live at once (a whole R6 block spilled)
 
     def at(self, rg, b, nb, r):
         """field (off, size) of row r of block b of row group rg -> its byte index"""
