@@ -30,7 +30,7 @@ FM = ("contract",)  # lets LLVM fuse multiply-add; reductions are reassociated o
 UNROLL_MAX = 64
 UNROLL_ACCS = 4  # vector accumulators of a long reduction
 JAM = 2  # vectors of lanes per iteration of a vector loop that holds reduces (register tiles)
-LANE_BLOCK = 64  # iterations of a reduce across lanes summed before joining its total
+LANE_BLOCK = 256  # iterations of a reduce across lanes summed before joining its total
 # bytes ahead that contiguous loads of large read-only byte buffers prefetch (quantized weights stream from DRAM;
 # smaller buffers, and f32 tiles reused from cache, are left alone), and into which cache level: the far prefetch
 # brings a line into L2, so that the near one's L1 fill waits on L2, not DRAM, and the core's few fill buffers
@@ -762,12 +762,17 @@ class KernelLowering:
         totals = [[self.vector_accumulators(first.op, dt)[0] for _ in reds] for _ in venvs]
 
         def body(c):
+            # reduce by reduce, each one's vectors of lanes together: a value shared by the vectors (a broadcast
+            # weight) is used up before the next one is loaded, so only the accumulators stay live
             self.env[first.var] = c
-            for venv, row in zip(venvs, accs):
-                self.memo = {}
-                for e, acc in zip(reds, row):
+            memos = [{} for _ in venvs]
+            for i, e in enumerate(reds):
+                for u, venv in enumerate(venvs):
+                    self.memo, acc = memos[u], accs[u][i]
                     for t in _terms(e.value) if e.op == "add" else [e.value]:
-                        self.b.store(self.combine(e.op, self.b.load(acc), self.to_vec(self.vexpr(t, venv), dt), dt), acc)
+                        v = self.to_vec(self.vexpr(t, venv), dt)
+                        self.b.store(self.combine(e.op, self.b.load(acc), v, dt), acc)
+                    memos[u] = self.memo
             del self.env[first.var]
             self.memo = {}
 
