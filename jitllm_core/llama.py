@@ -200,6 +200,7 @@ class LaunchTemplate:
 
 PREFILL_CHUNK_BYTES = 512 << 10
 PREFILL_CHUNK_ROWS = 64
+PREFILL_CHUNK_COLS = 2048
 WIDE_THREADS = 1024
 
 
@@ -213,14 +214,32 @@ def interleaves(threads: int) -> bool:
     return threads < WIDE_THREADS
 
 
-def _chunk_rows(rows, cols):
-    """Rows of a matrix that prefill dequantizes and multiplies at a time (0: all): about PREFILL_CHUNK_BYTES of
-    f32, so that the dequantized rows are still in L2 when the matmul reads them (dequantizing into L3 measured
-    half as fast), but at least PREFILL_CHUNK_ROWS, so that each chunk's matmul has tiles for every thread."""
-    target = max(PREFILL_CHUNK_BYTES // (4 * cols), PREFILL_CHUNK_ROWS)
+def _chunks(fmt, rows, cols):
+    """(rows, columns) of a matrix in layout fmt that prefill dequantizes and multiplies at a time (0: all): about
+    PREFILL_CHUNK_BYTES of f32, so that the dequantized rows are still in L2 when the matmul reads them
+    (dequantizing into L3 measured half as fast), but at least PREFILL_CHUNK_ROWS, so that each chunk's matmul has
+    tiles for every thread. An interleaved format's matrices wider than PREFILL_CHUNK_COLS (an FFN's down
+    projection) go in column chunks of whole blocks, so that the chunk's input columns stay in L2 too."""
+    block = fmt.block if isinstance(fmt, quant.Interleaved) and cols > PREFILL_CHUNK_COLS else 0
+    ccols = next((c for c in range(PREFILL_CHUNK_COLS - PREFILL_CHUNK_COLS % block, 0, -block) if cols % c == 0), 0) \
+        if block else 0
+    target = max(PREFILL_CHUNK_BYTES // (4 * (ccols or cols)), PREFILL_CHUNK_ROWS)
     if rows <= target:
-        return 0
-    return next((c for c in range(target - target % ROWS, ROWS - 1, -ROWS) if rows % c == 0), 0)
+        return 0, ccols
+    return next((c for c in range(target - target % ROWS, ROWS - 1, -ROWS) if rows % c == 0), 0), ccols
+
+
+def prefill_chunks(fmt, rows, cols, T, accumulate=False, bias=False):
+    """A prefill matmul of weights in layout fmt as (dequantize kernel, gemm kernel, {scalar: value}) per chunk
+    (`_chunks`), in launch order: column chunks outermost, so that their input columns stay in cache; the first
+    column chunk adds the bias (and accumulates if the matmul does), the others add to what it wrote."""
+    chunk, ccols = _chunks(fmt, rows, cols)
+    for c0 in range(0, cols, ccols or cols):
+        gm = ops.gemm(rows, cols, T, accumulate=accumulate or c0 > 0, bias=bias and c0 == 0, chunk=chunk,
+                      il=fmt.interleave, chunk_cols=ccols)
+        for r0 in range(0, rows, chunk or rows):
+            yield (dequant_kernel(fmt, rows, cols, chunk, ccols), gm,
+                   {**({"row0": r0} if chunk else {}), **({"col0": c0} if ccols else {})})
 
 
 class Llama:
@@ -251,8 +270,8 @@ class Llama:
                 "u": ("f32", T * c.ffn), "h": ("f32", T * c.ffn), "logits": ("f32", T * c.vocab),
                 "scores": ("f32", T * c.n_head * self.n_pages * self.page),
                 # a chunk of one layer matrix, dequantized
-                "wdq": ("f32", max((_chunk_rows(*shape) or shape[0]) * shape[1]
-                                   for shape, as_f32 in self.weight_shapes(0).values() if not as_f32)),
+                "wdq": ("f32", max(math.prod(c or n for c, n in zip(_chunks(self.fmt(name, shape), *shape), shape))
+                                   for name, (shape, as_f32) in self.weight_shapes(0).items() if not as_f32)),
                 "xt": ("f32", inp),  # a matmul's input, transposed for prefill
                 # a matmul's input as the dot4 layouts read it (ops.quantize_input)
                 "xq": ("u8", inp * self.digits), "xd": ("f32", inp // 32), "xs": ("f32", inp // 16)}
@@ -340,14 +359,13 @@ class Llama:
             return [LaunchTemplate(ops.matmul(fmt, rows, cols, self.T, acc, bias is not None, not interleave,
                                               self.digits),
                                    {"w": f"w:{name}", "x": f"a:{x}", **bufs, **digits}, scalars)]
-        chunk, out = _chunk_rows(rows, cols), []
-        for r0 in range(0, rows, chunk or rows):
-            at = {"row0": f"row{r0}"} if chunk else {}
-            self.constants.update({f"row{r0}": r0} if chunk else {})
-            out += [LaunchTemplate(dequant_kernel(fmt, rows, cols, chunk), {"w": f"w:{name}", "out": "a:wdq"}, at),
-                    LaunchTemplate(ops.gemm(rows, cols, self.T, accumulate=acc, bias=bias is not None, chunk=chunk,
-                                            il=fmt.interleave),
-                                   {"w": "a:wdq", "xt": "a:xt", **bufs}, {**scalars, **at})]
+        out = []
+        for dq, gm, at in prefill_chunks(fmt, rows, cols, self.T, acc, bias is not None):
+            names = {s: f"{s}_{v}" for s, v in at.items()}  # constants, the same at every step
+            self.constants.update({names[s]: v for s, v in at.items()})
+            outs = {b: n for b, n in bufs.items() if b in gm.buffers}  # a later column chunk's: no bias
+            out += [LaunchTemplate(dq, {"w": f"w:{name}", "out": "a:wdq"}, names),
+                    LaunchTemplate(gm, {"w": "a:wdq", "xt": "a:xt", **outs}, {**scalars, **names})]
         return out
 
     def _inputs(self, x, cols, unit, names, prefill=False, interleave=True):

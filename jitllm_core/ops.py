@@ -150,27 +150,30 @@ def transpose(cols: int, T: int) -> ir.Kernel:
 
 
 @functools.cache
-def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, chunk=0, il=1) -> ir.Kernel:
+def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, chunk=0, il=1, chunk_cols=0) -> ir.Kernel:
     """The prefill matmul on f32 weights (a layer matrix dequantized once per step) and activations transposed by
     `transpose`: y[t, r] (+)= sum_c W[r, c] x[t, c] (+ b[r]) for t in [t0, n_tokens). Each iteration computes a
     tile of R rows x `tokens` tokens as an outer product: per column, one vector of the tile's tokens and one W
     value per row (broadcast), R multiply-adds per loaded vector, the tile held in registers. Tiles are aligned
     to `tokens` columns of xt; lanes outside [t0, n_tokens) compute on whatever xt holds and store nothing.
     With `chunk`, W holds rows [row0, row0 + chunk) of the matrix (row0 a scalar): the prefill dequantizes and
-    multiplies a matrix chunk by chunk, so that its f32 rows are read back from cache, not from memory.
+    multiplies a matrix chunk by chunk, so that its f32 rows are read back from cache, not from memory; with
+    `chunk_cols`, only columns [col0, col0 + chunk_cols) of them (a sum over the rest is another launch's).
     With `il` > 1, W's rows come interleaved in groups of il, W[r // il, c, r % il], as an interleaved
     format's dequantization writes them."""
-    n_rows = chunk or rows
+    n_rows, width = chunk or rows, chunk_cols or cols
     R = next(r for r in (8, 4, 2, 1) if n_rows % r == 0)  # 8 x 32: 16 accumulators where vectors have 16 lanes
     tokens = gemm_tokens(T)
-    k = ir.Kernel(f"gemm_{rows}x{cols}_T{T}_{R}x{tokens}{f'_c{chunk}' if chunk else ''}{f'_il{il}' if il > 1 else ''}"
+    k = ir.Kernel(f"gemm_{rows}x{cols}_T{T}_{R}x{tokens}{f'_c{chunk}' if chunk else ''}"
+                  f"{f'_k{chunk_cols}' if chunk_cols else ''}{f'_il{il}' if il > 1 else ''}"
                   f"{'_acc' if accumulate else ''}{'_bias' if bias else ''}")
-    k.buffer("w", "f32", n_rows * cols), k.buffer("xt", "f32", cols * T)
+    k.buffer("w", "f32", n_rows * width), k.buffer("xt", "f32", cols * T)
     if bias:
         k.buffer("b", "f32", rows)
     k.buffer("y", "f32", T * rows, True)
     n, t0 = k.scalar("n_tokens"), k.scalar("t0")
     row0 = k.scalar("row0") if chunk else 0
+    col0 = k.scalar("col0") if chunk_cols else 0
     g0 = t0 // tokens
     groups = (n + (tokens - 1)) // tokens - g0
     with k.parallel("rt", n_rows // R * groups) as rt:
@@ -179,10 +182,10 @@ def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, chunk=0, il
         with k.loop("j", tokens, "vector") as j:
             tok = tq + j
             c = ir.Var("c")
-            xv = k.load("xt", (g * cols + c) * tokens + j)
-            w = (lambda r: k.load("w", r * cols + c)) if il == 1 else \
-                (lambda r: k.load("w", (r // il * cols + c) * il + r % il))
-            dots = [k.let(f"d{i}", ir.Reduce("add", "c", ir.as_expr(cols), w(r0 + i) * xv))
+            xv = k.load("xt", (g * cols + col0 + c) * tokens + j)
+            w = (lambda r: k.load("w", r * width + c)) if il == 1 else \
+                (lambda r: k.load("w", (r // il * width + c) * il + r % il))
+            dots = [k.let(f"d{i}", ir.Reduce("add", "c", ir.as_expr(width), w(r0 + i) * xv))
                     for i in range(R)]
             with k.if_(ir.Bin("land", tok >= t0, tok < n)):
                 for i in range(R):

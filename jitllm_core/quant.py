@@ -465,23 +465,26 @@ def get_format(type_name, cols, where=""):
 
 
 @functools.cache  # kernels are immutable once finished
-def dequant_kernel(fmt: Format, rows: int, cols: int, chunk: int = 0) -> ir.Kernel:
+def dequant_kernel(fmt: Format, rows: int, cols: int, chunk: int = 0, chunk_cols: int = 0) -> ir.Kernel:
     """W -> f32 rows: the reference definition of a format's values, and the first half of a prefill matmul.
-    With `chunk`, only rows [row0, row0 + chunk) (row0 a scalar), into a chunk-sized out. An interleaved
-    format's rows come out interleaved as it stores them: out[row // ROWS, col, row % ROWS]."""
-    n = chunk or rows
-    k = ir.Kernel(f"dequant_{fmt.name}_{rows}x{cols}" + (f"_c{chunk}" if chunk else ""))
+    With `chunk`, only rows [row0, row0 + chunk) (row0 a scalar), into a chunk-sized out; with `chunk_cols` (an
+    interleaved format's, whole blocks), only columns [col0, col0 + chunk_cols) of them. An interleaved format's
+    rows come out interleaved as it stores them: out[row // ROWS, col, row % ROWS]."""
+    n, width = chunk or rows, chunk_cols or cols
+    k = ir.Kernel(f"dequant_{fmt.name}_{rows}x{cols}" + (f"_c{chunk}" if chunk else "")
+                  + (f"_k{chunk_cols}" if chunk_cols else ""))
     k.buffer("w", fmt.storage, rows * fmt.row_units(cols))
-    k.buffer("out", "f32", n * cols, True)
-    nb = cols // fmt.block
+    k.buffer("out", "f32", n * width, True)
+    nb = width // fmt.block
     row0 = k.scalar("row0") if chunk else 0
-    k.w_read = lambda n_tokens: n * fmt.row_units(cols)
+    k.w_read = lambda n_tokens: n * fmt.row_units(width)
     if isinstance(fmt, Interleaved):
+        b0 = k.scalar("col0") // fmt.block if chunk_cols else 0
         with k.parallel("gb", n // ROWS * nb) as gb:
             g, b = gb // nb, gb % nb
             with k.loop("r", ROWS, "vector") as r:
-                for e, v in fmt.values(k, "w", row0 // ROWS + g, r, cols, b):
-                    k.store("out", (g * cols + b * fmt.block + e) * ROWS + r, v)
+                for e, v in fmt.values(k, "w", row0 // ROWS + g, r, cols, b0 + b):
+                    k.store("out", (g * width + b * fmt.block + e) * ROWS + r, v)
         return k.finish()
     with k.parallel("rbg", n * nb * fmt.groups) as rbg:
         rb, g = (rbg, 0) if fmt.groups == 1 else (rbg // fmt.groups, rbg % fmt.groups)

@@ -118,6 +118,9 @@ def op_examples():
         # prefill by chunks of rows: rows [row0, row0 + chunk) dequantized, then multiplied into y's rows
         "gemm_chunk": (ops.gemm(8, 4, 64, accumulate=True, bias=True, chunk=4), {"n_tokens": 37, "t0": 1, "row0": 4}),
         "dequant_chunk": (quant.dequant_kernel(quant.FORMATS["Q4_1"], 8, 64, chunk=4), {"row0": 4}),
+        # and of columns: the chunk's sum over columns [col0, col0 + chunk_cols) added into y
+        "gemm_chunk_cols": (ops.gemm(8, 12, 64, accumulate=True, chunk=4, chunk_cols=4),
+                            {"n_tokens": 37, "t0": 1, "row0": 4, "col0": 8}),
         "rope": (ops.rope(3, 8, T), {"pos": 5, "n_tokens": 3}),
         "kv_store_f16": (ops.kv_store(2, 8, T, page, n_pages, n_pages, "f16"), {"pos": 5, "n_tokens": 3}),
         "attention_f32": (ops.attention(4, 2, 8, T, page, n_pages, n_pages, "f32"), {"pos": 5, "n_tokens": 3}),
@@ -147,8 +150,8 @@ def op_inputs(k):
 
 
 def test_cpu_gemm_long_rows(cpu):
-    """Rows long enough for the lowering's blocked sums across lanes (blocks of 64 columns), by chunks."""
-    k = ops.gemm(32, 192, 64, accumulate=True, chunk=16)
+    """Rows long enough for the lowering's blocked sums across lanes (blocks of 256 columns), by chunks."""
+    k = ops.gemm(32, 768, 64, accumulate=True, chunk=16)
     assert_matches_interpreter(cpu, k, op_inputs(k), {"n_tokens": 64, "t0": 0, "row0": 16}, rtol=1e-4, atol=1e-4)
 
 

@@ -4,6 +4,7 @@ import pytest
 
 import jitllm_core as jl
 from conftest import backend_device
+from jitllm_core import llama
 from jitllm_core.llama import WIDE_THREADS
 from jitllm_core.profile import profile_decode
 from reference import agreeing_prefix, reference_logits
@@ -41,6 +42,20 @@ def test_decode_steps_match_transformers(engines, default_model):
     with eng.session() as s:
         got = np.concatenate([s.feed([t]) for t in ids])
     assert np.abs(got - reference_logits(default_model, ids)).max() <= 1e-3
+
+
+def test_prefill_in_column_chunks_matches_transformers(cpu, default_model, monkeypatch):
+    """Prefill as it runs a matrix wider than PREFILL_CHUNK_COLS (a larger model's FFN down projection): column
+    chunks dequantized and multiplied one after another into the same outputs."""
+    monkeypatch.setattr(llama, "PREFILL_CHUNK_COLS", 512)  # SmolLM2's down projection: 3 chunks of its 1,536
+    eng = jl.Engine(default_model, devices=["cpu"], kv_dtype="f32")
+    try:
+        names = {name for _, name, _, _ in profile_decode(eng, prompt_tokens=1, repeats=1, step_tokens=2)[0]}
+        assert any(n.startswith("gemm_576x1536_") and "_k512_" in n for n in names), names
+        ids = (eng.tokenizer.encode(PROMPTS[0]) * 3)[:40]
+        assert np.abs(eng.score(ids) - reference_logits(default_model, ids)).max() <= 1e-3
+    finally:
+        eng.close()
 
 
 def test_int8_activations_trade_accuracy_for_speed(cpu, default_model):

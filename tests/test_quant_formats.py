@@ -75,6 +75,10 @@ def test_repacked_layout_holds_the_same_values(cpu, name):
     if isinstance(fmt, quant.Interleaved):
         got = got.reshape(rows // quant.ROWS, cols, quant.ROWS).transpose(0, 2, 1)
     np.testing.assert_array_equal(got.reshape(rows, cols), ref)
+    # as prefill dequantizes a wide matrix: a chunk of rows and columns (whole blocks of every format)
+    k = quant.dequant_kernel(fmt, rows, cols, chunk=16, chunk_cols=256)
+    got = run_on_device(cpu, k, {"w": packed, "out": np.zeros(16 * 256, np.float32)}, {"row0": 16, "col0": 512})["out"]
+    np.testing.assert_array_equal(got.reshape(256, 16).T, ref[16:32, 512:768])
     x = rng.standard_normal((T, cols)).astype(np.float32)
     mm = ops.matmul(fmt, rows, cols, T)
     bufs = {"w": packed, "x": x.reshape(-1), "y": np.zeros(T * rows, np.float32)}
