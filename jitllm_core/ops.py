@@ -183,10 +183,10 @@ def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, chunk=0, il
             tok = tq + j
             c = ir.Var("c")
             xv = k.load("xt", (g * cols + col0 + c) * tokens + j)
-            w = (lambda r: k.load("w", r * width + c)) if il == 1 else \
-                (lambda r: k.load("w", (r // il * width + c) * il + r % il))
-            dots = [k.let(f"d{i}", ir.Reduce("add", "c", ir.as_expr(width), w(r0 + i) * xv))
-                    for i in range(R)]
+            # row r0 + i: R divides il, so a tile's rows are neighbours in one group (one line per column)
+            w = (lambda i: k.load("w", (r0 + i) * width + c)) if il == 1 else \
+                (lambda i: k.load("w", (r0 // il * width + c) * il + r0 % il + i))
+            dots = [k.let(f"d{i}", ir.Reduce("add", "c", ir.as_expr(width), w(i) * xv)) for i in range(R)]
             with k.if_(ir.Bin("land", tok >= t0, tok < n)):
                 for i in range(R):
                     r = row0 + r0 + i
