@@ -149,12 +149,23 @@ def transpose(cols: int, T: int) -> ir.Kernel:
     return k.finish()
 
 
+def gemm_tiles(n_rows: int, il: int) -> list[list[int]]:
+    """gemm's register tiles of a block of rows: each tile a list of rows (offsets in the block), at most 12 x 32
+    tokens (24 accumulators, each broadcast weight feeding two vectors of 16). Interleaved by 16, a block of 64
+    rows is four tiles of 12 (lanes 0-11 of a group) and two of 8 (lanes 12-15 of two groups): 12-row tiles load
+    7 values per 12 multiply-adds where 8-row tiles load 5 per 8. Otherwise, one tile of 8 (or fewer) rows."""
+    if il == 16 and n_rows % 64 == 0:
+        return [[16 * g + r for r in range(12)] for g in range(4)] + \
+               [[16 * g + r for g in pair for r in range(12, 16)] for pair in ((0, 1), (2, 3))]
+    return [list(range(next(r for r in (8, 4, 2, 1) if n_rows % r == 0)))]
+
+
 @functools.cache
 def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, chunk=0, il=1, chunk_cols=0) -> ir.Kernel:
     """The prefill matmul on f32 weights (a layer matrix dequantized once per step) and activations transposed by
     `transpose`: y[t, r] (+)= sum_c W[r, c] x[t, c] (+ b[r]) for t in [t0, n_tokens). Each iteration computes a
-    tile of R rows x `tokens` tokens as an outer product: per column, one vector of the tile's tokens and one W
-    value per row (broadcast), R multiply-adds per loaded vector, the tile held in registers. Tiles are aligned
+    register tile (`gemm_tiles`) of rows x `tokens` tokens as an outer product: per column, one vector of the
+    tile's tokens and one W value per row (broadcast), a multiply-add per row and vector. Tiles are aligned
     to `tokens` columns of xt; lanes outside [t0, n_tokens) compute on whatever xt holds and store nothing.
     With `chunk`, W holds rows [row0, row0 + chunk) of the matrix (row0 a scalar): the prefill dequantizes and
     multiplies a matrix chunk by chunk, so that its f32 rows are read back from cache, not from memory; with
@@ -162,9 +173,10 @@ def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, chunk=0, il
     With `il` > 1, W's rows come interleaved in groups of il, W[r // il, c, r % il], as an interleaved
     format's dequantization writes them."""
     n_rows, width = chunk or rows, chunk_cols or cols
-    R = next(r for r in (8, 4, 2, 1) if n_rows % r == 0)  # 8 x 32: 16 accumulators where vectors have 16 lanes
+    tiles = gemm_tiles(n_rows, il)
+    B = max(max(t) for t in tiles) + 1  # rows of a block
     tokens = gemm_tokens(T)
-    k = ir.Kernel(f"gemm_{rows}x{cols}_T{T}_{R}x{tokens}{f'_c{chunk}' if chunk else ''}"
+    k = ir.Kernel(f"gemm_{rows}x{cols}_T{T}_{B}x{tokens}{f'_c{chunk}' if chunk else ''}"
                   f"{f'_k{chunk_cols}' if chunk_cols else ''}{f'_il{il}' if il > 1 else ''}"
                   f"{'_acc' if accumulate else ''}{'_bias' if bias else ''}")
     k.buffer("w", "f32", n_rows * width), k.buffer("xt", "f32", cols * T)
@@ -176,24 +188,39 @@ def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, chunk=0, il
     col0 = k.scalar("col0") if chunk_cols else 0
     g0 = t0 // tokens
     groups = (n + (tokens - 1)) // tokens - g0
-    with k.parallel("rt", n_rows // R * groups) as rt:
-        r0, g = k.let("r0", rt // groups * R), k.let("g", g0 + rt % groups)
+    c = ir.Var("c")
+
+    def w(b0, o):
+        """W[b0 + o, c], row o of the block at b0: the block's offset and the column are what vary at run time,
+        so that a tile's loads are one address (a line per column for the rows of one group) plus constants"""
+        if il == 1:
+            return k.load("w", (b0 + o) * width + c)
+        if B % il == 0:
+            return k.load("w", ((b0 // il + o // il) * width + c) * il + o % il)
+        return k.load("w", (b0 // il * width + c) * il + b0 % il + o)  # B divides il
+
+    def tile(b0, g, rs):
         tq = g * tokens
         with k.loop("j", tokens, "vector") as j:
             tok = tq + j
-            c = ir.Var("c")
             xv = k.load("xt", (g * cols + col0 + c) * tokens + j)
-            # row r0 + i: R divides il, so a tile's rows are neighbours in one group (one line per column)
-            w = (lambda i: k.load("w", (r0 + i) * width + c)) if il == 1 else \
-                (lambda i: k.load("w", (r0 // il * width + c) * il + r0 % il + i))
-            dots = [k.let(f"d{i}", ir.Reduce("add", "c", ir.as_expr(width), w(i) * xv)) for i in range(R)]
+            dots = [k.let(f"d{o}", ir.Reduce("add", "c", ir.as_expr(width), w(b0, o) * xv)) for o in rs]
             with k.if_(ir.Bin("land", tok >= t0, tok < n)):
-                for i in range(R):
-                    r = row0 + r0 + i
-                    v = dots[i] + k.load("b", r) if bias else dots[i]
+                for o, d in zip(rs, dots):
+                    r = row0 + b0 + o
+                    v = d + k.load("b", r) if bias else d
                     if accumulate:
                         v = k.load("y", tok * rows + r) + v
                     k.store("y", tok * rows + r, v)
+    with k.parallel("it", n_rows // B * len(tiles) * groups) as it:
+        b0, g = k.let("b0", it // (len(tiles) * groups) * B), k.let("g", g0 + it % groups)
+        if len(tiles) == 1:
+            tile(b0, g, tiles[0])
+        else:
+            ti = k.let("ti", it // groups % len(tiles))
+            for t, rs in enumerate(tiles):
+                with k.if_(ti == t):
+                    tile(b0, g, rs)
     return k.finish()
 
 

@@ -114,6 +114,8 @@ def op_examples():
         # backend configuration; test_cpu_gemm_long_rows covers long rows)
         "gemm_tiled": (ops.gemm(8, 4, 64, accumulate=True, bias=True), {"n_tokens": 37, "t0": 1}),
         "gemm_untiled_rows": (ops.gemm(5, 32, T), {"n_tokens": 3, "t0": 0}),
+        # rows interleaved by 16 in blocks of 64: tiles of 12 rows of one group and of 8 rows of two
+        "gemm_row_blocks": (ops.gemm(128, 4, 64, bias=True, il=16), {"n_tokens": 37, "t0": 1}),
         "transpose": (ops.transpose(24, 5), {"n_tokens": 4}),
         # prefill by chunks of rows: rows [row0, row0 + chunk) dequantized, then multiplied into y's rows
         "gemm_chunk": (ops.gemm(8, 4, 64, accumulate=True, bias=True, chunk=4), {"n_tokens": 37, "t0": 1, "row0": 4}),
