@@ -153,10 +153,12 @@ def gemm_tiles(n_rows: int, il: int) -> list[list[int]]:
     """gemm's register tiles of a block of rows: each tile a list of rows (offsets in the block), at most 12 x 32
     tokens (24 accumulators, each broadcast weight feeding two vectors of 16). Interleaved by 16, a block of 64
     rows is four tiles of 12 (lanes 0-11 of a group) and two of 8 (lanes 12-15 of two groups): 12-row tiles load
-    7 values per 12 multiply-adds where 8-row tiles load 5 per 8. Otherwise, one tile of 8 (or fewer) rows."""
+    7 values per 12 multiply-adds where 8-row tiles load 5 per 8. In order by group pair, so that two threads
+    (contiguous halves of the iterations) get equal work, each on the rows it dequantized itself. Otherwise, one
+    tile of 8 (or fewer) rows."""
     if il == 16 and n_rows % 64 == 0:
-        return [[16 * g + r for r in range(12)] for g in range(4)] + \
-               [[16 * g + r for g in pair for r in range(12, 16)] for pair in ((0, 1), (2, 3))]
+        return [t for pair in ((0, 1), (2, 3)) for t in
+                [list(range(16 * g, 16 * g + 12)) for g in pair] + [[16 * g + r for g in pair for r in range(12, 16)]]]
     return [list(range(next(r for r in (8, 4, 2, 1) if n_rows % r == 0)))]
 
 
