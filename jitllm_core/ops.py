@@ -246,8 +246,15 @@ def rope(n_heads: int, head_dim: int, T: int) -> ir.Kernel:
 
 
 def _kv_index(k, j, kvh, n_kv, head_dim, page):
-    """Element index of position j, kv head kvh in a layer's page pool [pages, page, n_kv, head_dim]."""
+    """Element index of position j, kv head kvh in a layer's V page pool [pages, page, n_kv, head_dim]."""
     return ((k.load("ptab", j // page) * page + j % page) * n_kv + kvh) * head_dim
+
+
+def _k_index(pg, slot, kvh, d, n_kv, head_dim, page):
+    """Element index of dimension d of the key in `slot` of pool page pg, kv head kvh: K pages are stored
+    transposed, [pages, n_kv, head_dim, page], so that a page's keys are contiguous for each dimension (the scores
+    of a page's positions, a vector of lanes, then read vectors rather than gather)."""
+    return ((pg * n_kv + kvh) * head_dim + d) * page + slot
 
 
 @functools.cache
@@ -259,9 +266,11 @@ def kv_store(n_kv: int, head_dim: int, T: int, page: int, n_pages: int, max_page
     pos, n = k.scalar("pos"), k.scalar("n_tokens")
     with k.parallel("th", n * n_kv) as th:
         t, h = th // n_kv, th % n_kv
-        dst = _kv_index(k, pos + t, h, n_kv, head_dim, page)
+        at = pos + t
+        dst = _kv_index(k, at, h, n_kv, head_dim, page)
         with k.loop("d", head_dim, "vector") as d:
-            k.store("kc", dst + d, k.load("k", t * width + h * head_dim + d))
+            k.store("kc", _k_index(k.load("ptab", at // page), at % page, h, d, n_kv, head_dim, page),
+                    k.load("k", t * width + h * head_dim + d))
             k.store("vc", dst + d, k.load("v", t * width + h * head_dim + d))
     return k.finish()
 
@@ -281,8 +290,9 @@ def exp(x):
 @functools.cache
 def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages: int, max_pages: int,
               kv_dtype: str) -> ir.Kernel:
-    """Causal attention of each new token over the layer's paged KV cache: scores for every position into a
-    scratch row, softmax over the row (vectorizable), then the weighted sum of values."""
+    """Causal attention of each new token over the layer's paged KV cache (K pages transposed, `_k_index`):
+    scores for every position into a scratch row, softmax over the row (vectorizable), then the weighted sum of
+    values."""
     k = ir.Kernel(f"attn_{n_head}_{n_kv}x{head_dim}_T{T}_p{page}x{n_pages}_{kv_dtype}")
     qw, kw, ctx = n_head * head_dim, n_kv * head_dim, max_pages * page
     k.buffer("q", "f32", T * qw), k.buffer("ptab", "i32", max_pages)
@@ -294,10 +304,19 @@ def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages:
     with k.parallel("th", n * n_head) as th:
         t, h = th // n_head, th % n_head
         qo, so, keys = t * qw + h * head_dim, th * ctx, pos + t + 1
-        with k.loop("j", keys, "vector") as j:
-            kv = _kv_index(k, j, h // group, n_kv, head_dim, page)
-            k.store("s", so + j, ir.reduce("add", "d", head_dim,
-                                           lambda d: k.load("q", qo + d) * k.load("kc", kv + d), "vector") * scale)
+        # scores page by page, a lane per position: each dimension's keys one vector, its q a broadcast; the dot
+        # in `parts` sums of a slice of the dimensions each, so that as many multiply-add chains run at once
+        parts = 4 if head_dim % 4 == 0 else 1
+        span = head_dim // parts
+        with k.loop("p", (keys + page - 1) // page) as p:
+            pg = k.let("pg", k.load("ptab", p))
+            with k.loop("slot", page, "vector") as slot:
+                dots = [k.let(f"qk{i}", ir.reduce("add", "d", span, lambda d, i=i: k.load("q", qo + i * span + d)
+                                                  * k.load("kc", _k_index(pg, slot, h // group, i * span + d,
+                                                                          n_kv, head_dim, page))))
+                        for i in range(parts)]
+                with k.if_(p * page + slot < keys):
+                    k.store("s", so + p * page + slot, sum(dots[1:], dots[0]) * scale)
         k.barrier()
         m = k.let("m", ir.reduce("max", "j", keys, lambda j: k.load("s", so + j), "reduce"))
         k.barrier()
@@ -307,11 +326,16 @@ def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages:
         inv = k.let("inv", 1.0 / ir.reduce("add", "j", keys, lambda j: k.load("s", so + j), "reduce"))
         with k.loop("d", head_dim, "vector") as d:
             k.store("out", qo + d, 0.0)
-        with k.loop("j", keys, "serial") as j:
-            kv = k.let("kv", _kv_index(k, j, h // group, n_kv, head_dim, page))
-            p = k.let("p", k.load("s", so + j))
+        # values page by page, a lane per dimension: a page's weighted sum in registers, added to out once
+        with k.loop("p", (keys + page - 1) // page) as p:
+            pg = k.let("pg", k.load("ptab", p))
             with k.loop("d", head_dim, "vector") as d:
-                k.store("out", qo + d, k.load("out", qo + d) + p * k.load("vc", kv + d))
+                # positions past the last key hold whatever the pool held (NaN times zero is NaN): selected out
+                pv = k.let("pv", ir.reduce("add", "slot", page, lambda slot: ir.select(
+                    p * page + slot < keys,
+                    k.load("s", so + p * page + slot) * k.load("vc", ((pg * page + slot) * n_kv + h // group)
+                                                                * head_dim + d), 0.0)))
+                k.store("out", qo + d, k.load("out", qo + d) + pv)
         with k.loop("d", head_dim, "vector") as d:
             k.store("out", qo + d, k.load("out", qo + d) * inv)
     return k.finish()

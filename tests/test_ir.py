@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backend_check import assert_matches_interpreter
+from backend_check import assert_matches_interpreter, run_on_device
 from ir_cases import CASES, inputs_for
 from jitllm_core import interp, ir, ops, quant
 
@@ -155,6 +155,24 @@ def test_cpu_gemm_long_rows(cpu):
     """Rows long enough for the lowering's blocked sums across lanes (blocks of 256 columns), by chunks."""
     k = ops.gemm(32, 768, 64, accumulate=True, chunk=16)
     assert_matches_interpreter(cpu, k, op_inputs(k), {"n_tokens": 64, "t0": 0, "row0": 16}, rtol=1e-4, atol=1e-4)
+
+
+def test_cpu_attention_ignores_pool_positions_past_the_keys(cpu):
+    """What the pool holds past the last key (a page's unwritten slots: anything, NaN included) changes nothing."""
+    n_head, n_kv, hd, page, n_pages = 4, 2, 8, 4, 6
+    pos, n = 4, 2   # keys 0..5: the second page's last two slots are past them
+    k = ops.attention(n_head, n_kv, hd, 3, page, n_pages, n_pages, "f32")
+    bufs = op_inputs(k)
+    where = np.argsort(bufs["ptab"])  # pool page -> the sequence's page it holds
+    idx = np.arange(bufs["kc"].size)
+    k_pos = where[idx // (n_kv * hd * page)] * page + idx % page                 # K pages [n_kv, hd, page]
+    v_pos = where[idx // (page * n_kv * hd)] * page + idx // (n_kv * hd) % page  # V pages [page, n_kv, hd]
+    scalars = {"pos": pos, "n_tokens": n}
+    want = interp.run(k, {b: v.copy() for b, v in bufs.items()}, scalars)["out"]
+    bufs["kc"][k_pos >= pos + n] = np.nan
+    bufs["vc"][v_pos >= pos + n] = np.nan
+    got = run_on_device(cpu, k, bufs, scalars)["out"]
+    np.testing.assert_allclose(got[:n * n_head * hd], want[:n * n_head * hd], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("op", sorted(op_examples()))
