@@ -1,5 +1,5 @@
-"""Instructions of the innermost loop of each packed layout's decode matvec, as LLVM emits them for this CPU:
-how many, and of which kinds (the counts docs/benchmarks.md quotes).
+"""Instructions of the innermost loop of each packed layout's decode matvec and of the prefill gemm's register
+tiles, as LLVM emits them for this CPU: how many, and of which kinds (the counts docs/benchmarks.md quotes).
 
     python benchmarks/instructions.py
 """
@@ -14,33 +14,46 @@ from jitllm_cpu_llvm import lower, runtime
 MATVECS = [("Q4_1", 1536, 576), ("Q4_K", 2048, 8192), ("Q6_K", 2048, 8192)]
 
 
-def loop_body(asm):
-    """The instruction mnemonics of the longest loop (a label and the backward branch to it)."""
+def loops(asm):
+    """The instruction mnemonics of each loop (a label and the backward branch to it)."""
     lines = asm.splitlines()
     labels = {ln.rstrip(":"): i for i, ln in enumerate(lines) if re.match(r"^\.LBB\d+_\d+:", ln)}
-    best = []
     for i, ln in enumerate(lines):
         m = re.match(r"\s+j\w+\s+(\.LBB\d+_\d+)", ln)
         if m and labels.get(m.group(1), i) < i:
-            body = [x.split()[0] for x in lines[labels[m.group(1)]:i + 1] if x.startswith("\t") and not x.startswith("\t.")]
-            best = max(best, body, key=len)
-    return best
+            yield [x.split()[0] for x in lines[labels[m.group(1)]:i + 1] if x.startswith("\t") and not x.startswith("\t.")]
+
+
+def assembly(k):
+    mod = llvm.parse_assembly(str(lower.program_module(
+        [(k.key(), list(range(len(k.buffers))), list(range(len(k.scalars))), True)], [k], runtime.simd_width(),
+        llvm.get_process_triple(), runtime.isa())))
+    runtime.optimize(mod)
+    return runtime.target_machine().emit_assembly(mod)
+
+
+def counts(body):
+    return ", ".join(f"{op} {n}" for op, n in collections.Counter(body).most_common(14))
 
 
 def main():
     for name, rows, cols in MATVECS:
         fmt = quant.packed_format(quant.get_format(name, cols), rows)
-        k = ops.matmul(fmt, rows, cols, 1)
-        mod = llvm.parse_assembly(str(lower.program_module(
-            [(k.key(), list(range(len(k.buffers))), list(range(len(k.scalars))), True)], [k], runtime.simd_width(),
-            llvm.get_process_triple(), runtime.isa())))
-        runtime.optimize(mod)
-        body = loop_body(runtime.target_machine().emit_assembly(mod))
+        body = max(loops(assembly(ops.matmul(fmt, rows, cols, 1))), key=len)
         weights = fmt.block * quant.ROWS // fmt.pieces
         vector = [op for op in body if op.startswith("v") or op.startswith("prefetch")]
         print(f"{fmt.name:4} {rows} x {cols}: loop of {len(body)} instructions per {weights} weights, "
               f"{len(vector)} vector or prefetch")
-        print("     " + ", ".join(f"{op} {n}" for op, n in collections.Counter(body).most_common(14)))
+        print("     " + counts(body))
+    # the prefill gemm's register tiles (a 64-row chunk interleaved by 16): one loop per tile shape, a column each
+    tiles = {}
+    for body in loops(assembly(ops.gemm(2048, 2048, 64, chunk=64, il=16))):
+        fmas = body.count("vfmadd231ps")
+        if fmas and "vaddps" not in body:  # a column loop (the loops around it add its block sums into totals)
+            tiles[fmas] = body
+    for fmas, body in sorted(tiles.items()):
+        print(f"gemm tile of {fmas // 2} rows x 32 tokens: loop of {len(body)} instructions per column")
+        print("     " + counts(body))
 
 
 if __name__ == "__main__":

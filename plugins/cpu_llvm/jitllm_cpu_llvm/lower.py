@@ -12,7 +12,9 @@ four chains; stores under a lane-varying `if` are masked. What quantized weights
 IR rather than written per format: a little-endian field assembled from bytes is one wide load, a float of a
 function of 4 bits is one table lookup (vpermps), addresses keep each index term's offset visible, and a
 sum of `dot4`s accumulates each into the sum so far (VNNI's vpdpbusd; pmaddubsw where the CPU has no VNNI and
-the bytes are provably small). Weights streamed from memory are prefetched a few KB ahead, once per address.
+the bytes are provably small). Weights streamed from memory are prefetched a few KB ahead (into L1) and further
+(into L2), once per address; a register tile's loop prefetches the lines of its two operands a few iterations
+ahead.
 A program module adds `step(ptr bufs, ptr scalars, tid, nth, barrier)` that calls every launch's kernel in
 order (through functions of STEP_PART launches each) with a barrier after each that a later launch depends on.
 """
@@ -39,7 +41,7 @@ TILE_AHEAD = 8
 # brings a line into L2, so that the near one's L1 fill waits on L2, not DRAM, and the core's few fill buffers
 # turn over fast (one thread's decode, measured: 9.2 -> 10.0 GB/s for Q4_K, 8.8 -> 9.5 for Q6_K; two: unchanged)
 PREFETCH = {4096: 3, 16384: 1}  # distance: LLVM locality (3: all levels, 1: L2 and beyond)
-PREFETCH_MIN = 256 << 10
+PREFETCH_MIN = 256 << 10  # "large": more than stays in L2
 STEP_PART = 64  # launches per function of a program's step
 PREFETCHED = "prefetched"  # memo entry: the addresses a body has prefetched
 
