@@ -5,17 +5,21 @@
 - matvecs of the file's layouts, the dot in its CPU form and in the form GPUs get;
 - prefill pieces of the 1B shape's matrices (32 tokens in a 64-token step): dequantization by chunks, the gemm
   tile, both in turn;
-- the gemm tile with all its inputs in L1: the core's f32 multiply-add ceiling.
+- the core's f32 multiply-add peak (a bare loop of independent multiply-adds) and the gemm's tiles with their
+  inputs in L1 and in L2.
 
     python benchmarks/kernels.py [--threads N] [--only decode|file|prefill|ceiling]
 """
 import argparse
+import ctypes
 import time
 
+import llvmlite.binding as llvm
 import numpy as np
 
 from jitllm_core import llama, ops, quant, registry
 from jitllm_core.plugin import Launch
+from jitllm_cpu_llvm import runtime
 
 DECODE = [("Q4_1", 1536, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576), ("Q4_K", 8192, 2048),
           ("Q4_K", 2048, 8192), ("Q6_K", 2048, 8192)]
@@ -120,13 +124,45 @@ def prefill(dev, rng, T=64, n=32):
             dev.free(b)
 
 
+def fma_peak(chains=16, iterations=20_000_000):
+    """GFLOP/s of one thread running nothing but independent 16-lane f32 multiply-adds (a bare LLVM loop of
+    `chains` accumulators): what this core's vector units can do, the bound for any f32 gemm."""
+    v = "<16 x float>"
+    body = "".join(f"  %a{i} = phi {v} [splat (float {i}.0), %entry], [%b{i}, %loop]\n" for i in range(chains)) + \
+        "".join(f"  %b{i} = call {v} @llvm.fma.v16f32({v} %a{i}, {v} splat (float 0.5), {v} splat (float 0.25))\n"
+                for i in range(chains))
+    total = "".join(f"  %s{i} = fadd {v} %s{i - 1}, %b{i}\n" for i in range(1, chains))
+    ir_text = (f"declare {v} @llvm.fma.v16f32({v}, {v}, {v})\n"
+               f"define float @peak(i64 %n) {{\nentry:\n  br label %loop\nloop:\n"
+               f"  %i = phi i64 [0, %entry], [%j, %loop]\n{body}  %j = add i64 %i, 1\n"
+               f"  %c = icmp ult i64 %j, %n\n  br i1 %c, label %loop, label %done\ndone:\n"
+               f"  %s0 = fadd {v} %b0, zeroinitializer\n{total}"
+               f"  %r = extractelement {v} %s{chains - 1}, i32 0\n  ret float %r\n}}\n")
+    mod = llvm.parse_assembly(ir_text)
+    engine = llvm.create_mcjit_compiler(mod, runtime.target_machine())
+    engine.finalize_object()
+    peak = ctypes.CFUNCTYPE(ctypes.c_float, ctypes.c_int64)(engine.get_function_address("peak"))
+    best = min(_timed(lambda: peak(iterations)) for _ in range(5))
+    return chains * iterations * 32 / best / 1e9
+
+
+def _timed(fn):
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
 def ceiling(dev, rng, T=64):
-    print("\ngemm tile with every input in L1 (the f32 multiply-add ceiling)")
-    for rows, cols in ((64, 128), (256, 256)):
-        k = ops.gemm(rows, cols, T, il=16)
+    print(f"\nf32 multiply-add peak of one thread (independent chains, no loads): {fma_peak():.1f} GFLOP/s")
+    print("gemm with every input in L1, and a 64-row chunk of 2,048 columns from L2 (best of 15)")
+    for rows, cols in ((64, 128), (64, 2048)):
+        k = ops.gemm(rows, cols, T, chunk=rows, il=16)
         bufs = {"w": upload(dev, rng.random(rows * cols, np.float32)), "xt": upload(dev, rng.random(cols * T, np.float32)),
                 "y": dev.alloc(T * rows * 4)}
-        t = seconds(dev.program([Launch(k, bufs)] * 200), {"n_tokens": T, "t0": 0}, 5) / 200
+        reps = max(1, 2 ** 28 // (rows * cols * T))
+        prog, values = dev.program([Launch(k, bufs)] * reps), {"n_tokens": T, "t0": 0, "row0": 0}
+        prog.run(values)
+        t = min(_timed(lambda: prog.run(values)) for _ in range(15)) / reps
         print(f"{rows} x {cols} weights, {T} tokens: {2 * rows * cols * T / t / 1e9:.1f} GFLOP/s")
         for b in bufs.values():
             dev.free(b)
