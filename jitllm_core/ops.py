@@ -201,12 +201,12 @@ def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, chunk=0, il
             return k.load("w", ((b0 // il + o // il) * width + c) * il + o % il)
         return k.load("w", (b0 // il * width + c) * il + b0 % il + o)  # B divides il
 
-    def tile(b0, g, rs):
+    def tile(b0, g, rs, name=""):
         tq = g * tokens
         with k.loop("j", tokens, "vector") as j:
             tok = tq + j
             xv = k.load("xt", (g * cols + col0 + c) * tokens + j)
-            dots = [k.let(f"d{o}", ir.Reduce("add", "c", ir.as_expr(width), w(b0, o) * xv)) for o in rs]
+            dots = [k.let(f"d{name}{o}", ir.Reduce("add", "c", ir.as_expr(width), w(b0, o) * xv)) for o in rs]
             with k.if_(ir.Bin("land", tok >= t0, tok < n)):
                 for o, d in zip(rs, dots):
                     r = row0 + b0 + o
@@ -219,10 +219,18 @@ def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, chunk=0, il
         if len(tiles) == 1:
             tile(b0, g, tiles[0])
         else:
-            ti = k.let("ti", it // groups % len(tiles))
+            # tiles of one shape (rows relative to their group) share a loop, their group's offset a value of the
+            # iteration: two loops to compile instead of six
+            ti, shapes = k.let("ti", it // groups % len(tiles)), {}
             for t, rs in enumerate(tiles):
-                with k.if_(ti == t):
-                    tile(b0, g, rs)
+                base = min(rs) // il * il
+                shapes.setdefault(tuple(r - base for r in rs), []).append((t, base))
+            for n, (rs, members) in enumerate(shapes.items()):
+                at, offset = ti == members[0][0], ir.as_expr(members[0][1])
+                for t, base in members[1:]:
+                    at, offset = ir.Bin("lor", at, ti == t), ir.select(ti == t, base, offset)
+                with k.if_(at):
+                    tile(b0 + k.let(f"o{n}", offset), g, rs, f"{n}_")
     return k.finish()
 
 
