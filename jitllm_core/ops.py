@@ -225,12 +225,12 @@ def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, chunk=0, il
             for t, rs in enumerate(tiles):
                 base = min(rs) // il * il
                 shapes.setdefault(tuple(r - base for r in rs), []).append((t, base))
-            for n, (rs, members) in enumerate(shapes.items()):
+            for si, (rs, members) in enumerate(shapes.items()):
                 at, offset = ti == members[0][0], ir.as_expr(members[0][1])
                 for t, base in members[1:]:
                     at, offset = ir.Bin("lor", at, ti == t), ir.select(ti == t, base, offset)
                 with k.if_(at):
-                    tile(b0 + k.let(f"o{n}", offset), g, rs, f"{n}_")
+                    tile(b0 + k.let(f"o{si}", offset), g, rs, f"{si}_")
     return k.finish()
 
 
