@@ -149,25 +149,12 @@ def transpose(cols: int, T: int) -> ir.Kernel:
     return k.finish()
 
 
-def gemm_tiles(n_rows: int, il: int) -> list[list[int]]:
-    """gemm's register tiles of a block of rows: each tile a list of rows (offsets in the block), at most 12 x 32
-    tokens (24 accumulators, each broadcast weight feeding two vectors of 16). Interleaved by 16, a block of 64
-    rows is four tiles of 12 (lanes 0-11 of a group) and two of 8 (lanes 12-15 of two groups): 12-row tiles load
-    7 values per 12 multiply-adds where 8-row tiles load 5 per 8. In order by group pair, so that two threads
-    (contiguous halves of the iterations) get equal work, each on the rows it dequantized itself. Otherwise, one
-    tile of 8 (or fewer) rows."""
-    if il == 16 and n_rows % 64 == 0:
-        return [t for pair in ((0, 1), (2, 3)) for t in
-                [list(range(16 * g, 16 * g + 12)) for g in pair] + [[16 * g + r for g in pair for r in range(12, 16)]]]
-    return [list(range(next(r for r in (8, 4, 2, 1) if n_rows % r == 0)))]
-
-
 @functools.cache
 def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, chunk=0, il=1, chunk_cols=0) -> ir.Kernel:
     """The prefill matmul on f32 weights (a layer matrix dequantized once per step) and activations transposed by
     `transpose`: y[t, r] (+)= sum_c W[r, c] x[t, c] (+ b[r]) for t in [t0, n_tokens). Each iteration computes a
-    register tile (`gemm_tiles`) of rows x `tokens` tokens as an outer product: per column, one vector of the
-    tile's tokens and one W value per row (broadcast), a multiply-add per row and vector. Tiles are aligned
+    tile of R rows x `tokens` tokens as an outer product: per column, one vector of the tile's tokens and one W
+    value per row (broadcast), R multiply-adds per loaded vector, the tile held in registers. Tiles are aligned
     to `tokens` columns of xt; lanes outside [t0, n_tokens) compute on whatever xt holds and store nothing.
     With `chunk`, W holds rows [row0, row0 + chunk) of the matrix (row0 a scalar): the prefill dequantizes and
     multiplies a matrix chunk by chunk, so that its f32 rows are read back from cache, not from memory; with
@@ -175,10 +162,9 @@ def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, chunk=0, il
     With `il` > 1, W's rows come interleaved in groups of il, W[r // il, c, r % il], as an interleaved
     format's dequantization writes them."""
     n_rows, width = chunk or rows, chunk_cols or cols
-    tiles = gemm_tiles(n_rows, il)
-    B = max(max(t) for t in tiles) + 1  # rows of a block
+    R = next(r for r in (8, 4, 2, 1) if n_rows % r == 0)  # 8 x 32: 16 accumulators where vectors have 16 lanes
     tokens = gemm_tokens(T)
-    k = ir.Kernel(f"gemm_{rows}x{cols}_T{T}_{B}x{tokens}{f'_c{chunk}' if chunk else ''}"
+    k = ir.Kernel(f"gemm_{rows}x{cols}_T{T}_{R}x{tokens}{f'_c{chunk}' if chunk else ''}"
                   f"{f'_k{chunk_cols}' if chunk_cols else ''}{f'_il{il}' if il > 1 else ''}"
                   f"{'_acc' if accumulate else ''}{'_bias' if bias else ''}")
     k.buffer("w", "f32", n_rows * width), k.buffer("xt", "f32", cols * T)
@@ -190,47 +176,24 @@ def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, chunk=0, il
     col0 = k.scalar("col0") if chunk_cols else 0
     g0 = t0 // tokens
     groups = (n + (tokens - 1)) // tokens - g0
-    c = ir.Var("c")
-
-    def w(b0, o):
-        """W[b0 + o, c], row o of the block at b0: the block's offset and the column are what vary at run time,
-        so that a tile's loads are one address (a line per column for the rows of one group) plus constants"""
-        if il == 1:
-            return k.load("w", (b0 + o) * width + c)
-        if B % il == 0:
-            return k.load("w", ((b0 // il + o // il) * width + c) * il + o % il)
-        return k.load("w", (b0 // il * width + c) * il + b0 % il + o)  # B divides il
-
-    def tile(b0, g, rs, name=""):
+    with k.parallel("rt", n_rows // R * groups) as rt:
+        r0, g = k.let("r0", rt // groups * R), k.let("g", g0 + rt % groups)
         tq = g * tokens
         with k.loop("j", tokens, "vector") as j:
             tok = tq + j
+            c = ir.Var("c")
             xv = k.load("xt", (g * cols + col0 + c) * tokens + j)
-            dots = [k.let(f"d{name}{o}", ir.Reduce("add", "c", ir.as_expr(width), w(b0, o) * xv)) for o in rs]
+            # row r0 + i: R divides il, so a tile's rows are neighbours in one group (one line per column)
+            w = (lambda i: k.load("w", (r0 + i) * width + c)) if il == 1 else \
+                (lambda i: k.load("w", (r0 // il * width + c) * il + r0 % il + i))
+            dots = [k.let(f"d{i}", ir.Reduce("add", "c", ir.as_expr(width), w(i) * xv)) for i in range(R)]
             with k.if_(ir.Bin("land", tok >= t0, tok < n)):
-                for o, d in zip(rs, dots):
-                    r = row0 + b0 + o
-                    v = d + k.load("b", r) if bias else d
+                for i in range(R):
+                    r = row0 + r0 + i
+                    v = dots[i] + k.load("b", r) if bias else dots[i]
                     if accumulate:
                         v = k.load("y", tok * rows + r) + v
                     k.store("y", tok * rows + r, v)
-    with k.parallel("it", n_rows // B * len(tiles) * groups) as it:
-        b0, g = k.let("b0", it // (len(tiles) * groups) * B), k.let("g", g0 + it % groups)
-        if len(tiles) == 1:
-            tile(b0, g, tiles[0])
-        else:
-            # tiles of one shape (rows relative to their group) share a loop, their group's offset a value of the
-            # iteration: two loops to compile instead of six
-            ti, shapes = k.let("ti", it // groups % len(tiles)), {}
-            for t, rs in enumerate(tiles):
-                base = min(rs) // il * il
-                shapes.setdefault(tuple(r - base for r in rs), []).append((t, base))
-            for si, (rs, members) in enumerate(shapes.items()):
-                at, offset = ti == members[0][0], ir.as_expr(members[0][1])
-                for t, base in members[1:]:
-                    at, offset = ir.Bin("lor", at, ti == t), ir.select(ti == t, base, offset)
-                with k.if_(at):
-                    tile(b0 + k.let(f"o{si}", offset), g, rs, f"{si}_")
     return k.finish()
 
 

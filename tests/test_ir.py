@@ -114,8 +114,6 @@ def op_examples():
         # backend configuration; test_cpu_gemm_long_rows covers long rows)
         "gemm_tiled": (ops.gemm(8, 4, 64, accumulate=True, bias=True), {"n_tokens": 37, "t0": 1}),
         "gemm_untiled_rows": (ops.gemm(5, 32, T), {"n_tokens": 3, "t0": 0}),
-        # rows interleaved by 16 in blocks of 64: tiles of 12 rows of one group and of 8 rows of two
-        "gemm_row_blocks": (ops.gemm(128, 4, 64, bias=True, il=16), {"n_tokens": 37, "t0": 1}),
         "transpose": (ops.transpose(24, 5), {"n_tokens": 4}),
         # prefill by chunks of rows: rows [row0, row0 + chunk) dequantized, then multiplied into y's rows
         "gemm_chunk": (ops.gemm(8, 4, 64, accumulate=True, bias=True, chunk=4), {"n_tokens": 37, "t0": 1, "row0": 4}),
@@ -160,7 +158,7 @@ def test_cpu_gemm_long_rows(cpu):
 @pytest.mark.parametrize("chunk,chunk_cols", [(0, 0), (64, 32)])
 def test_cpu_gemm_matches_numpy(cpu, chunk, chunk_cols):
     """The prefill gemm against numpy (the interpreter runs the same IR, so a wrong IR passes it): rows interleaved
-    by 16 in 64-row blocks of 12- and 8-row tiles, a chunk of rows and columns, bias, accumulate, a partial step."""
+    by 16 in tiles of 8, a chunk of rows and columns, bias, accumulate, a partial step."""
     rows, cols, T, n, t0, row0, col0 = 128, 96, 64, 45, 3, 64 if chunk else 0, 32 if chunk_cols else 0
     rng = np.random.default_rng(5)
     W, x = rng.standard_normal((rows, cols)).astype(np.float32), rng.standard_normal((T, cols)).astype(np.float32)
