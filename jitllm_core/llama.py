@@ -234,12 +234,12 @@ def prefill_chunks(fmt, rows, cols, T, accumulate=False, bias=False):
     (`_chunks`), in launch order: column chunks outermost, so that their input columns stay in cache; the first
     column chunk adds the bias (and accumulates if the matmul does), the others add to what it wrote."""
     chunk, ccols = _chunks(fmt, rows, cols)
+    dq = dequant_kernel(fmt, rows, cols, chunk, ccols)
     for c0 in range(0, cols, ccols or cols):
         gm = ops.gemm(rows, cols, T, accumulate=accumulate or c0 > 0, bias=bias and c0 == 0, chunk=chunk,
                       il=fmt.interleave, chunk_cols=ccols)
         for r0 in range(0, rows, chunk or rows):
-            yield (dequant_kernel(fmt, rows, cols, chunk, ccols), gm,
-                   {**({"row0": r0} if chunk else {}), **({"col0": c0} if ccols else {})})
+            yield dq, gm, {**({"row0": r0} if chunk else {}), **({"col0": c0} if ccols else {})}
 
 
 class Llama:

@@ -216,9 +216,10 @@ def rope(n_heads: int, head_dim: int, T: int) -> ir.Kernel:
     return k.finish()
 
 
-def _kv_index(k, j, kvh, n_kv, head_dim, page):
-    """Element index of position j, kv head kvh in a layer's V page pool [pages, page, n_kv, head_dim]."""
-    return ((k.load("ptab", j // page) * page + j % page) * n_kv + kvh) * head_dim
+def _v_index(pg, slot, kvh, n_kv, head_dim, page):
+    """Element index of the value in `slot` of pool page pg, kv head kvh (dimension 0; V pages are
+    [pages, page, n_kv, head_dim])."""
+    return ((pg * page + slot) * n_kv + kvh) * head_dim
 
 
 def _k_index(pg, slot, kvh, d, n_kv, head_dim, page):
@@ -238,11 +239,11 @@ def kv_store(n_kv: int, head_dim: int, T: int, page: int, n_pages: int, max_page
     with k.parallel("th", n * n_kv) as th:
         t, h = th // n_kv, th % n_kv
         at = pos + t
-        dst = _kv_index(k, at, h, n_kv, head_dim, page)
+        pg = k.let("pg", k.load("ptab", at // page))
         with k.loop("d", head_dim, "vector") as d:
-            k.store("kc", _k_index(k.load("ptab", at // page), at % page, h, d, n_kv, head_dim, page),
-                    k.load("k", t * width + h * head_dim + d))
-            k.store("vc", dst + d, k.load("v", t * width + h * head_dim + d))
+            src = t * width + h * head_dim + d
+            k.store("kc", _k_index(pg, at % page, h, d, n_kv, head_dim, page), k.load("k", src))
+            k.store("vc", _v_index(pg, at % page, h, n_kv, head_dim, page) + d, k.load("v", src))
     return k.finish()
 
 
@@ -304,8 +305,8 @@ def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages:
                 # positions past the last key hold whatever the pool held (NaN times zero is NaN): selected out
                 pv = k.let("pv", ir.reduce("add", "slot", page, lambda slot: ir.select(
                     p * page + slot < keys,
-                    k.load("s", so + p * page + slot) * k.load("vc", ((pg * page + slot) * n_kv + h // group)
-                                                                * head_dim + d), 0.0)))
+                    k.load("s", so + p * page + slot) * k.load("vc", _v_index(pg, slot, h // group, n_kv, head_dim,
+                                                                                page) + d), 0.0)))
                 k.store("out", qo + d, k.load("out", qo + d) + pv)
         with k.loop("d", head_dim, "vector") as d:
             k.store("out", qo + d, k.load("out", qo + d) * inv)
