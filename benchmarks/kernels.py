@@ -19,7 +19,7 @@ import numpy as np
 
 from jitllm_core import llama, ops, quant, registry
 from jitllm_core.plugin import Launch
-from jitllm_cpu_llvm import runtime
+from jitllm_cpu_llvm import lower, runtime
 
 DECODE = [("Q4_1", 1536, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576), ("Q4_K", 8192, 2048),
           ("Q4_K", 2048, 8192), ("Q6_K", 2048, 8192)]
@@ -155,15 +155,19 @@ def _timed(fn):
 def ceiling(dev, rng, T=64):
     print(f"\nf32 multiply-add peak of one thread (independent chains, no loads): {fma_peak():.1f} GFLOP/s")
     print("gemm with every input in L1, and a 64-row chunk of 2,048 columns from L2 (best of 15)")
-    for rows, cols in ((64, 128), (64, 2048)):
+    for rows, cols, ahead in ((64, 128, lower.TILE_AHEAD), (64, 2048, lower.TILE_AHEAD), (64, 2048, 0)):
         k = ops.gemm(rows, cols, T, chunk=rows, il=16)
         bufs = {"w": upload(dev, rng.random(rows * cols, np.float32)), "xt": upload(dev, rng.random(cols * T, np.float32)),
                 "y": dev.alloc(T * rows * 4)}
         reps = max(1, 2 ** 28 // (rows * cols * T))
+        saved = lower.TILE_AHEAD, runtime.LOWERING
+        lower.TILE_AHEAD, runtime.LOWERING = ahead, f"{runtime.LOWERING}-ahead{ahead}"  # compiled apart
         prog, values = dev.program([Launch(k, bufs)] * reps), {"n_tokens": T, "t0": 0, "row0": 0}
+        lower.TILE_AHEAD, runtime.LOWERING = saved
         prog.run(values)
         t = min(_timed(lambda: prog.run(values)) for _ in range(15)) / reps
-        print(f"{rows} x {cols} weights, {T} tokens: {2 * rows * cols * T / t / 1e9:.1f} GFLOP/s")
+        print(f"{rows} x {cols} weights, {T} tokens{'' if ahead else ', without the tile prefetch'}: "
+              f"{2 * rows * cols * T / t / 1e9:.1f} GFLOP/s")
         for b in bufs.values():
             dev.free(b)
 

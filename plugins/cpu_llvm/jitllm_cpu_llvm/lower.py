@@ -34,8 +34,8 @@ UNROLL_ACCS = 4  # vector accumulators of a long reduction
 JAM = 2  # vectors of lanes per iteration of a vector loop that holds reduces (register tiles)
 LANE_BLOCK = 256  # iterations of a reduce across lanes summed before joining its total
 # iterations ahead that a register tile's loop prefetches the operands it streams (from L2: the hardware's L1
-# prefetchers fall behind three streams; an 8 x 32 f32 tile from L2 measured 83 -> 120 GFLOP/s)
-TILE_AHEAD = 8
+# prefetchers fall behind three streams: `benchmarks/kernels.py --only ceiling` measures the tile with and without)
+TILE_AHEAD = 8  # 0: none
 # bytes ahead that contiguous loads of large read-only byte buffers prefetch (quantized weights stream from DRAM;
 # smaller buffers, and f32 tiles reused from cache, are left alone), and into which cache level: the far prefetch
 # brings a line into L2, so that the near one's L1 fill waits on L2, not DRAM, and the core's few fill buffers
@@ -799,8 +799,8 @@ class KernelLowering:
         it will read TILE_AHEAD iterations later, once per line."""
         products = [e.value for e in reds if e.op == "add" and isinstance(e.value, ir.Bin) and e.value.op == "mul"]
         loads = [x for p in products for x in (p.a, p.b) if isinstance(x, ir.Load)]
-        if len(loads) != 2 * len(reds) or any(self.k.buffers[x.buf].dtype != "f32" or self.k.buffers[x.buf].write
-                                              for x in loads):
+        streamed = all(self.k.buffers[x.buf].dtype == "f32" and not self.k.buffers[x.buf].write for x in loads)
+        if not TILE_AHEAD or len(loads) != 2 * len(reds) or not streamed:
             return
         var, done = reds[0].var, set()
         self.env[var] = self.b.add(c, L.Constant(I32, TILE_AHEAD))
