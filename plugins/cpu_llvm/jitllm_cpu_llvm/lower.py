@@ -134,8 +134,10 @@ class KernelLowering:
         """The module's declaration of function `name`, added on first use."""
         return self.module.globals.get(name) or L.Function(self.module, L.FunctionType(ret, args), name=name)
 
-    def prefetch(self):
-        return self.declare("llvm.prefetch.p0", VOID, [PTR, I32, I32, I32])
+    def prefetch(self, ptr, locality):
+        """A data prefetch (a read) of ptr into the cache levels LLVM's `locality` names (3: all, 1: L2 and out)."""
+        fn = self.declare("llvm.prefetch.p0", VOID, [PTR, I32, I32, I32])
+        self.b.call(fn, [ptr, L.Constant(I32, 0), L.Constant(I32, locality), L.Constant(I32, 1)])
 
     def intrinsic(self, name, ty, nargs=1, ret=None):
         """Declare llvm.<op>.<type> (llvmlite cannot mangle vector types itself)."""
@@ -651,8 +653,7 @@ class KernelLowering:
             done.add(key)
             for distance, locality in PREFETCH.items():
                 ahead = self.b.gep(ptr, [L.Constant(I32, distance)], source_etype=I8)
-                self.b.call(self.prefetch(), [ahead, L.Constant(I32, 0), L.Constant(I32, locality),
-                                              L.Constant(I32, 1)])
+                self.prefetch(ahead, locality)
 
     def field_load(self, field, venv):
         """A little-endian field of n bytes assembled from a byte buffer by shifts and ors, read by lanes n
@@ -816,8 +817,7 @@ class KernelLowering:
                        tuple(_address_key(t, {}) for t in terms if not isinstance(t, ir.Const)))
                 if key not in done:
                     done.add(key)
-                    self.b.call(self.prefetch(), [self.element(x.buf, [p.val for p in parts]), L.Constant(I32, 0),
-                                                  L.Constant(I32, 3), L.Constant(I32, 1)])
+                    self.prefetch(self.element(x.buf, [p.val for p in parts]), 3)
         self.env[var] = c
 
     def vector_accumulators(self, op, dt):
