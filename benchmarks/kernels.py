@@ -51,13 +51,9 @@ def upload(dev, arr):
 
 
 def seconds(prog, values, repeats=7):
+    """Median seconds of a program's run, after one to warm it up."""
     prog.run(values)
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        prog.run(values)
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
+    return float(np.median([_timed(lambda: prog.run(values)) for _ in range(repeats)]))
 
 
 def decode(dev, rng):
