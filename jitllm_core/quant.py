@@ -471,6 +471,8 @@ def dequant_kernel(fmt: Format, rows: int, cols: int, chunk: int = 0, chunk_cols
     interleaved format's, whole blocks), only columns [col0, col0 + chunk_cols) of them. An interleaved format's
     rows come out interleaved as it stores them: out[row // ROWS, col, row % ROWS]."""
     n, width = chunk or rows, chunk_cols or cols
+    if chunk_cols and not isinstance(fmt, Interleaved):  # a row's blocks are addressed from its first
+        raise ir.IRError(f"dequant_{fmt.name}: column chunks need an interleaved layout")
     k = ir.Kernel(f"dequant_{fmt.name}_{rows}x{cols}" + (f"_c{chunk}" if chunk else "")
                   + (f"_k{chunk_cols}" if chunk_cols else ""))
     k.buffer("w", fmt.storage, rows * fmt.row_units(cols))

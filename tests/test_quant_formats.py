@@ -139,3 +139,10 @@ def test_unsupported_format_is_named():
         quant.get_format("Q5_K", 256, "model.gguf: tensor 'blk.0.attn_q.weight'")
     with pytest.raises(ModelFileError, match="not a multiple"):
         quant.get_format("Q4_K", 200, "model.gguf: tensor 'x'")
+
+
+def test_column_chunks_need_an_interleaved_layout():
+    """A file layout's row addresses its blocks from the row's first: a chunk of its columns is refused, not
+    dequantized from the wrong blocks."""
+    with pytest.raises(ir.IRError, match="interleaved"):
+        quant.dequant_kernel(quant.FORMATS["Q4_1"], 16, 512, chunk_cols=256)
