@@ -45,15 +45,12 @@ def main():
         print(f"{fmt.name:4} {rows} x {cols}: loop of {len(body)} instructions per {weights} weights, "
               f"{len(vector)} vector or prefetch")
         print("     " + counts(body))
-    # the prefill gemm's register tiles (a 64-row chunk interleaved by 16): one loop per tile shape, a column each
-    tiles = {}
-    for body in loops(assembly(ops.gemm(2048, 2048, 64, chunk=64, il=16))):
-        fmas = body.count("vfmadd231ps")
-        if fmas and "vaddps" not in body:  # a column loop (the loops around it add its block sums into totals)
-            tiles[fmas] = body
-    for fmas, body in sorted(tiles.items()):
-        print(f"gemm tile of {fmas // 2} rows x 32 tokens: loop of {len(body)} instructions per column")
-        print("     " + counts(body))
+    # the prefill gemm's register tile (a 64-row chunk interleaved by 16): its loop over a block's columns
+    for body in loops(assembly(ops.gemm(2048, 2048, 64, chunk=64))):
+        if body.count("vfmadd231ps") and "vaddps" not in body:  # the loops around it add its sums into y
+            print(f"gemm tile of {ops.GEMM_GROUPS * quant.ROWS} rows x {ops.GEMM_TOKENS} tokens: loop of "
+                  f"{len(body)} instructions per column")
+            print("     " + counts(body))
 
 
 if __name__ == "__main__":

@@ -103,20 +103,20 @@ def prefill(dev, rng, T=64, n=32):
     for name, rows, cols in PREFILL:
         fmt, w = packed_tensor(name, rows, cols, rng)
         chunks = list(llama.prefill_chunks(fmt, rows, cols, T))
-        xt = rng.standard_normal(cols * T).astype(np.float32)
-        wb, wdq, xtb, yb = (upload(dev, w), dev.alloc(chunks[0][0].buffers["out"].size * 4), upload(dev, xt),
-                            dev.alloc(T * rows * 4))
+        x = rng.standard_normal(T * cols).astype(np.float32)
+        wb, wdq, xb, yb = (upload(dev, w), dev.alloc(chunks[0][0].buffers["out"].size * 4), upload(dev, x),
+                           dev.alloc(T * rows * 4))
         deq, mul, values = [], [], {"n_tokens": n, "t0": 0}
         for i, (dq, gm, at) in enumerate(chunks):
             names = {s: f"{s}_{i}" for s in at}
             values.update({names[s]: v for s, v in at.items()})
             deq.append(Launch(dq, {"w": wb, "out": wdq}, names))
-            mul.append(Launch(gm, {"w": wdq, "xt": xtb, "y": yb}, names))
+            mul.append(Launch(gm, {"w": wdq, "x": xb, "y": yb}, names))
         td, tg, tb = (seconds(dev.program(ls), values, 5) for ls in (deq, mul, [x for p in zip(deq, mul) for x in p]))
         flop = 2 * rows * cols * n
         print(f"{fmt.name:4} {rows:5d} x {cols:5d}  {td * 1e3:6.2f} ms {rows * cols / td / 1e9:5.1f} Gw/s"
               f"  {tg * 1e3:6.2f} ms {flop / tg / 1e9:5.1f} GF/s  {flop / tb / 1e9:5.1f} GF/s")
-        for b in (wb, wdq, xtb, yb):
+        for b in (wb, wdq, xb, yb):
             dev.free(b)
 
 
@@ -152,8 +152,8 @@ def ceiling(dev, rng, T=64):
     print(f"\nf32 multiply-add peak of one thread (independent chains, no loads): {fma_peak():.1f} GFLOP/s")
     print("gemm with every input in L1, and a 64-row chunk of 2,048 columns from L2 (best of 15)")
     for rows, cols, ahead in ((64, 128, lower.TILE_AHEAD), (64, 2048, lower.TILE_AHEAD), (64, 2048, 0)):
-        k = ops.gemm(rows, cols, T, chunk=rows, il=16)
-        bufs = {"w": upload(dev, rng.random(rows * cols, np.float32)), "xt": upload(dev, rng.random(cols * T, np.float32)),
+        k = ops.gemm(rows, cols, T, chunk=rows)
+        bufs = {"w": upload(dev, rng.random(rows * cols, np.float32)), "x": upload(dev, rng.random(T * cols, np.float32)),
                 "y": dev.alloc(T * rows * 4)}
         reps = max(1, 2 ** 28 // (rows * cols * T))
         saved = lower.TILE_AHEAD, runtime.LOWERING

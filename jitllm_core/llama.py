@@ -234,10 +234,10 @@ def prefill_chunks(fmt, rows, cols, T, accumulate=False, bias=False):
     (`_chunks`), in launch order: column chunks outermost, so that their input columns stay in cache; the first
     column chunk adds the bias (and accumulates if the matmul does), the others add to what it wrote."""
     chunk, ccols = _chunks(fmt, rows, cols)
-    dq = dequant_kernel(fmt, rows, cols, chunk, ccols)
+    dq = dequant_kernel(fmt, rows, cols, chunk, ccols, interleaved=True)
     for c0 in range(0, cols, ccols or cols):
         gm = ops.gemm(rows, cols, T, accumulate=accumulate or c0 > 0, bias=bias and c0 == 0, chunk=chunk,
-                      il=fmt.interleave, chunk_cols=ccols)
+                      chunk_cols=ccols)
         for r0 in range(0, rows, chunk or rows):
             yield dq, gm, {**({"row0": r0} if chunk else {}), **({"col0": c0} if ccols else {})}
 
@@ -272,7 +272,6 @@ class Llama:
                 # a chunk of one layer matrix, dequantized
                 "wdq": ("f32", max(math.prod(c or n for c, n in zip(_chunks(self.fmt(name, shape), *shape), shape))
                                    for name, (shape, as_f32) in self.weight_shapes(0).items() if not as_f32)),
-                "xt": ("f32", inp),  # a matmul's input, transposed for prefill
                 # a matmul's input as the dot4 layouts read it (ops.quantize_input)
                 "xq": ("u8", inp * self.digits), "xd": ("f32", inp // 32), "xs": ("f32", inp // 16)}
 
@@ -341,20 +340,20 @@ class Llama:
         fmt = self._file_format(name, shape)
         return packed_format(fmt, shape[0]) if interleave else fmt
 
-    def _gemm(self, fmt, prefill, interleave):
-        """Whether a matmul of weights in layout fmt goes through dequantize + gemm: in a prefill step on an
-        interleaving device (a GPU's prefill runs the decode matmul for every token instead), unless the dot4
-        layouts' int8 inputs make the matmul itself the faster one."""
-        return prefill and interleave and not (fmt.digits and self.digits == quant.INT8)
+    def _gemm(self, fmt, rows, prefill, interleave):
+        """Whether a matmul of `rows` rows of weights in layout fmt goes through dequantize + gemm: in a prefill
+        step on an interleaving device (a GPU's prefill runs the decode matmul for every token instead), for rows
+        in whole groups of ROWS (gemm's vectors), unless the dot4 layouts' int8 inputs make the matmul itself the
+        faster one."""
+        return prefill and interleave and rows % ROWS == 0 and not (fmt.digits and self.digits == quant.INT8)
 
     def _mm(self, name, x, y, rows, cols, acc=False, bias=None, logits=False, prefill=False, interleave=True):
         """Matmul launches; only the LM head starts at the step's `t0`, layers need every token. Through gemm
-        (`_gemm`), the weights are first dequantized to f32 once and reused by every token of the step, and the
-        input is read transposed (`xt`, written by `_inputs`)."""
+        (`_gemm`), the weights are first dequantized to f32 once and reused by every token of the step."""
         fmt = self.fmt(name, (rows, cols), interleave)
         bufs = {"y": f"a:{y}", **({"b": f"w:{bias}"} if bias else {})}
         scalars = {} if logits else {"t0": "zero"}
-        if not self._gemm(fmt, prefill, interleave):
+        if not self._gemm(fmt, rows, prefill, interleave):
             digits = {"xq": "a:xq", "xd": "a:xd", "xs": "a:xs"} if fmt.digits else {}
             return [LaunchTemplate(ops.matmul(fmt, rows, cols, self.T, acc, bias is not None, not interleave,
                                               self.digits),
@@ -365,20 +364,18 @@ class Llama:
             self.constants.update({names[s]: v for s, v in at.items()})
             outs = {b: n for b, n in bufs.items() if b in gm.buffers}  # a later column chunk's: no bias
             out += [LaunchTemplate(dq, {"w": f"w:{name}", "out": "a:wdq"}, names),
-                    LaunchTemplate(gm, {"w": "a:wdq", "xt": "a:xt", **outs}, {**scalars, **names})]
+                    LaunchTemplate(gm, {"w": "a:wdq", "x": f"a:{x}", **outs}, {**scalars, **names})]
         return out
 
     def _inputs(self, x, cols, unit, names, prefill=False, interleave=True):
-        """The launches that write activation x as the matmuls of weights `names` (of `unit`) read it: transposed
-        (`xt`) for those through gemm, quantized (`xq`, `xd`, `xs`) for the dot4 layouts' matmuls."""
+        """The launch that writes activation x as the dot4 layouts' matmuls of weights `names` (of `unit`) read it,
+        quantized (`xq`, `xd`, `xs`), if any of them is such a matmul (gemm reads x itself)."""
         shapes = self.weight_shapes(unit)
-        fmts = [self.fmt(n, shapes[n][0], interleave) for n in names]
-        gemm = [self._gemm(f, prefill, interleave) for f in fmts]
-        out = [LaunchTemplate(ops.transpose(cols, self.T), {"x": f"a:{x}", "xt": "a:xt"})] if any(gemm) else []
-        if any(f.digits and not g for f, g in zip(fmts, gemm)):
-            out.append(LaunchTemplate(ops.quantize_input(cols, self.T, self.digits),
-                                      {"x": f"a:{x}", "xq": "a:xq", "xd": "a:xd", "xs": "a:xs"}))
-        return out
+        if not any(f.digits and not self._gemm(f, shapes[n][0][0], prefill, interleave)
+                   for n, f in ((n, self.fmt(n, shapes[n][0], interleave)) for n in names)):
+            return []
+        return [LaunchTemplate(ops.quantize_input(cols, self.T, self.digits),
+                               {"x": f"a:{x}", "xq": "a:xq", "xd": "a:xd", "xs": "a:xs"})]
 
     def unit_launches(self, unit, prefill=False, interleave=True):
         """The unit's launches for a decode step, or (prefill=True) for a step of many tokens, in the schedule

@@ -130,70 +130,70 @@ def quantize_input(cols: int, T: int, digits: int = DIGITS) -> ir.Kernel:
     return k.finish()
 
 
-def gemm_tokens(T: int) -> int:
-    """Tokens per register tile of gemm, and per block of its transposed input."""
-    return math.gcd(T, 32)
+GEMM_GROUPS = 2         # groups of ROWS rows (a vector of lanes each) in gemm's register tile
+GEMM_TOKENS = 8         # tokens of its tile: 2 x 8 accumulators, each loaded weight vector and token value used twice
+GEMM_ITEM_TOKENS = 32   # tokens of one parallel iteration: its tiles of rows reuse each block of W from L1
+GEMM_BLOCK = 256        # columns of such a block (2 x 16 rows x 256 columns: 32 KB, L1 holds 48)
+
+
+def gemm_block(width: int) -> int:
+    """Columns of gemm's blocks: the largest divisor of `width` up to GEMM_BLOCK, a multiple of 16 if it can."""
+    return next(b for b in range(min(GEMM_BLOCK, width), 0, -1) if width % b == 0 and (b % 16 == 0 or b < 16))
 
 
 @functools.cache
-def transpose(cols: int, T: int) -> ir.Kernel:
-    """x [T, cols] -> xt in blocks of G = gemm_tokens(T) tokens, [T / G, cols, G]: the layout gemm reads its
-    input in (a tile's tokens contiguous for every column)."""
-    G = gemm_tokens(T)
-    k = ir.Kernel(f"transpose_{cols}_T{T}")
-    k.buffer("x", "f32", T * cols), k.buffer("xt", "f32", cols * T, True)
-    n = k.scalar("n_tokens")
-    with k.parallel("c", cols) as c:
-        with k.loop("t", n, "vector") as t:
-            k.store("xt", (t // G * cols + c) * G + t % G, k.load("x", t * cols + c))
-    return k.finish()
-
-
-@functools.cache
-def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, chunk=0, il=1, chunk_cols=0) -> ir.Kernel:
-    """The prefill matmul on f32 weights (a layer matrix dequantized once per step) and activations transposed by
-    `transpose`: y[t, r] (+)= sum_c W[r, c] x[t, c] (+ b[r]) for t in [t0, n_tokens). Each iteration computes a
-    tile of R rows x `tokens` tokens as an outer product: per column, one vector of the tile's tokens and one W
-    value per row (broadcast), R multiply-adds per loaded vector, the tile held in registers. Tiles are aligned
-    to `tokens` columns of xt; lanes outside [t0, n_tokens) compute on whatever xt holds and store nothing.
+def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, chunk=0, chunk_cols=0) -> ir.Kernel:
+    """The prefill matmul on f32 weights (a layer matrix dequantized once per step, rows interleaved by ROWS,
+    W[r // ROWS, c, r % ROWS], as `quant.dequant_kernel` writes them): y[t, r] (+)= sum_c W[r, c] x[t, c] (+ b[r])
+    for t in [t0, n_tokens). A register tile is GEMM_GROUPS vectors of ROWS rows (one lane per row) x
+    GEMM_TOKENS tokens: per column, one vector load per group and one broadcast input value per token, each
+    feeding the others' multiply-adds. A parallel iteration takes a tile's rows and GEMM_ITEM_TOKENS tokens, block
+    of columns by block, so that a block of W is read from memory once and then from L1 by each token tile; a
+    block's sums add into y (contiguous rows: one vector each). Tokens outside [t0, n_tokens) compute on whatever
+    x holds and store nothing.
     With `chunk`, W holds rows [row0, row0 + chunk) of the matrix (row0 a scalar): the prefill dequantizes and
     multiplies a matrix chunk by chunk, so that its f32 rows are read back from cache, not from memory; with
-    `chunk_cols`, only columns [col0, col0 + chunk_cols) of them (a sum over the rest is another launch's).
-    With `il` > 1, W's rows come interleaved in groups of il, W[r // il, c, r % il], as an interleaved
-    format's dequantization writes them."""
+    `chunk_cols`, only columns [col0, col0 + chunk_cols) of them (a sum over the rest is another launch's)."""
     n_rows, width = chunk or rows, chunk_cols or cols
-    R = next(r for r in (8, 4, 2, 1) if n_rows % r == 0)  # 8 x 32: 16 accumulators where vectors have 16 lanes
-    tokens = gemm_tokens(T)
-    k = ir.Kernel(f"gemm_{rows}x{cols}_T{T}_{R}x{tokens}{f'_c{chunk}' if chunk else ''}"
-                  f"{f'_k{chunk_cols}' if chunk_cols else ''}{f'_il{il}' if il > 1 else ''}"
-                  f"{'_acc' if accumulate else ''}{'_bias' if bias else ''}")
-    k.buffer("w", "f32", n_rows * width), k.buffer("xt", "f32", cols * T)
+    if n_rows % ROWS:
+        raise ir.IRError(f"gemm_{rows}x{cols}: {n_rows} rows are not whole groups of {ROWS}")
+    G = next(g for g in range(GEMM_GROUPS, 0, -1) if n_rows % (g * ROWS) == 0)
+    N, blk = math.gcd(T, GEMM_TOKENS), gemm_block(width)
+    per_item = max(1, GEMM_ITEM_TOKENS // N)  # token tiles
+    k = ir.Kernel(f"gemm_{rows}x{cols}_T{T}_{G * ROWS}x{N}_b{blk}{f'_c{chunk}' if chunk else ''}"
+                  f"{f'_k{chunk_cols}' if chunk_cols else ''}{'_acc' if accumulate else ''}{'_bias' if bias else ''}")
+    k.buffer("w", "f32", n_rows * width), k.buffer("x", "f32", T * cols)
     if bias:
         k.buffer("b", "f32", rows)
     k.buffer("y", "f32", T * rows, True)
     n, t0 = k.scalar("n_tokens"), k.scalar("t0")
     row0 = k.scalar("row0") if chunk else 0
     col0 = k.scalar("col0") if chunk_cols else 0
-    g0 = t0 // tokens
-    groups = (n + (tokens - 1)) // tokens - g0
-    with k.parallel("rt", n_rows // R * groups) as rt:
-        r0, g = k.let("r0", rt // groups * R), k.let("g", g0 + rt % groups)
-        tq = g * tokens
-        with k.loop("j", tokens, "vector") as j:
-            tok = tq + j
-            c = ir.Var("c")
-            xv = k.load("xt", (g * cols + col0 + c) * tokens + j)
-            # row r0 + i: R divides il, so a tile's rows are neighbours in one group (one line per column)
-            w = (lambda i: k.load("w", (r0 + i) * width + c)) if il == 1 else \
-                (lambda i: k.load("w", (r0 // il * width + c) * il + r0 % il + i))
-            dots = [k.let(f"d{i}", ir.Reduce("add", "c", ir.as_expr(width), w(i) * xv)) for i in range(R)]
-            with k.if_(ir.Bin("land", tok >= t0, tok < n)):
-                for i in range(R):
-                    r = row0 + r0 + i
-                    v = dots[i] + k.load("b", r) if bias else dots[i]
-                    if accumulate:
-                        v = k.load("y", tok * rows + r) + v
-                    k.store("y", tok * rows + r, v)
+    first = t0 // N
+    tiles = (n + (N - 1)) // N - first  # of tokens
+    items = (tiles + (per_item - 1)) // per_item
+    with k.parallel("it", n_rows // (G * ROWS) * items) as it:
+        r0 = k.let("r0", it // items * (G * ROWS))
+        tile0 = k.let("tile0", first + it % items * per_item)
+        with k.loop("cb", width // blk, "serial") as cb:
+            wb = [k.let(f"wb{i}", ((r0 // ROWS + i) * width + cb * blk) * ROWS) for i in range(G)]
+            with k.loop("tile", ir.vmin(per_item, first + tiles - tile0), "serial", start=tile0) as tile:
+                xb = k.let("xb", tile * N * cols + col0 + cb * blk)
+                with k.loop("l", ROWS, "vector") as l:
+                    c = ir.Var("c")
+                    dots = [[k.let(f"d{i}_{t}", ir.Reduce("add", "c", ir.as_expr(blk), k.load("w", wb[i] + c * ROWS + l)
+                                                            * k.load("x", xb + t * cols + c))) for t in range(N)]
+                            for i in range(G)]
+                    for t in range(N):
+                        tok = tile * N + t
+                        with k.if_(ir.Bin("land", tok >= t0, tok < n)):
+                            for i in range(G):
+                                r = row0 + r0 + i * ROWS + l
+                                old = k.load("y", tok * rows + r)
+                                v = dots[i][t] + (old if accumulate else ir.select(cb > 0, old, 0.0))
+                                if bias:
+                                    v = v + ir.select(cb > 0, 0.0, k.load("b", r))
+                                k.store("y", tok * rows + r, v)
     return k.finish()
 
 

@@ -465,16 +465,18 @@ def get_format(type_name, cols, where=""):
 
 
 @functools.cache  # kernels are immutable once finished
-def dequant_kernel(fmt: Format, rows: int, cols: int, chunk: int = 0, chunk_cols: int = 0) -> ir.Kernel:
+def dequant_kernel(fmt: Format, rows: int, cols: int, chunk: int = 0, chunk_cols: int = 0,
+                   interleaved: bool = False) -> ir.Kernel:
     """W -> f32 rows: the reference definition of a format's values, and the first half of a prefill matmul.
     With `chunk`, only rows [row0, row0 + chunk) (row0 a scalar), into a chunk-sized out; with `chunk_cols` (an
     interleaved format's, whole blocks), only columns [col0, col0 + chunk_cols) of them. An interleaved format's
-    rows come out interleaved as it stores them: out[row // ROWS, col, row % ROWS]."""
+    rows come out interleaved as it stores them: out[row // ROWS, col, row % ROWS]; a file format's too with
+    `interleaved` (the layout the prefill gemm reads; rows a multiple of ROWS)."""
     n, width = chunk or rows, chunk_cols or cols
     if chunk_cols and not isinstance(fmt, Interleaved):  # a row's blocks are addressed from its first
         raise ir.IRError(f"dequant_{fmt.name}: column chunks need an interleaved layout")
     k = ir.Kernel(f"dequant_{fmt.name}_{rows}x{cols}" + (f"_c{chunk}" if chunk else "")
-                  + (f"_k{chunk_cols}" if chunk_cols else ""))
+                  + (f"_k{chunk_cols}" if chunk_cols else "") + ("_il" if interleaved else ""))
     k.buffer("w", fmt.storage, rows * fmt.row_units(cols))
     k.buffer("out", "f32", n * width, True)
     nb = width // fmt.block
@@ -488,9 +490,13 @@ def dequant_kernel(fmt: Format, rows: int, cols: int, chunk: int = 0, chunk_cols
                 for e, v in fmt.values(k, "w", row0 // ROWS + g, r, cols, b0 + b):
                     k.store("out", (g * width + b * fmt.block + e) * ROWS + r, v)
         return k.finish()
+    if interleaved and n % ROWS:
+        raise ir.IRError(f"dequant_{fmt.name}: {n} rows are not whole groups of {ROWS}")
     with k.parallel("rbg", n * nb * fmt.groups) as rbg:
         rb, g = (rbg, 0) if fmt.groups == 1 else (rbg // fmt.groups, rbg % fmt.groups)
+        row, col = rb // nb, rb % nb * fmt.block
         with k.loop("l", fmt.lanes, "vector") as l:
             for j, w in fmt.terms(k, "w", (row0 * nb + rb) * fmt.unit, g, l):
-                k.store("out", rb * fmt.block + j, w)
+                k.store("out", ((row // ROWS * width + col + j) * ROWS + row % ROWS) if interleaved else
+                        rb * fmt.block + j, w)
     return k.finish()

@@ -810,8 +810,8 @@ class KernelLowering:
             for x in loads:
                 terms = _index_terms(x.index)
                 parts = [self.vexpr(t, venv) for t in terms]
-                if any(p.kind == "v" for p in parts):
-                    continue
+                if any(p.kind == "v" for p in parts) or not any(p.stride for p in parts):
+                    continue  # gathers; and broadcasts, whose stream moves a line every 16 iterations
                 offset = sum(t.value for t in terms if isinstance(t, ir.Const))
                 key = (x.buf, u if any(p.stride for p in parts) else None, offset * 4 // 64,
                        tuple(_address_key(t, {}) for t in terms if not isinstance(t, ir.Const)))
