@@ -45,13 +45,17 @@ def main():
         print(f"{fmt.name:4} {rows} x {cols}: loop of {len(body)} instructions per {weights} weights, "
               f"{len(vector)} vector or prefetch")
         print("     " + counts(body))
-    # the prefill gemm's register tile (a 64-row chunk interleaved by 16): its loop over a block's columns
-    for body in loops(assembly(ops.gemm(2048, 2048, 64, chunk=64))):
+    # the prefill matmul's loops: a block's dequantization into scratch, and its register tile (a column each)
+    fmt = quant.packed_format(quant.get_format("Q4_K", 2048), 2048)
+    for body in loops(assembly(ops.prefill_matmul(fmt, 2048, 2048, 64))):
         if body.count("vfmadd231ps") and "vaddps" not in body:  # the loops around it add its sums into y
-            print(f"gemm tile of {ops.GEMM_GROUPS * quant.ROWS} rows x {ops.GEMM_TOKENS} tokens: loop of "
+            print(f"prefill tile of {ops.GEMM_GROUPS * quant.ROWS} rows x {ops.GEMM_TOKENS} tokens: loop of "
                   f"{len(body)} instructions per column")
             print("     " + counts(body))
-
+        elif len(body) > 1000 and "vaddps" not in body:
+            print(f"prefill dequantization of {ops.GEMM_GROUPS * quant.ROWS} rows x {fmt.block} columns of "
+                  f"{fmt.name}: {len(body)} instructions")
+            print("     " + counts(body))
 
 if __name__ == "__main__":
     main()

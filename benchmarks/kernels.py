@@ -3,10 +3,9 @@
 - decode matvecs of each packed layout (one token), weights from memory (copies rotated past the caches) and
   from cache (one copy repeated): GB/s and G weights/s;
 - matvecs of the file's layouts, the dot in its CPU form and in the form GPUs get;
-- prefill pieces of the 1B shape's matrices (32 tokens in a 64-token step): dequantization by chunks, the gemm
-  tile, both in turn;
-- the core's f32 multiply-add peak (a bare loop of independent multiply-adds) and the gemm's tiles with their
-  inputs in L1 and in L2.
+- the prefill matmuls of the 1B shape's matrices (a 64-token step);
+- the core's f32 multiply-add peak (a bare loop of independent multiply-adds) and a prefill matmul whose weights
+  stay in L2.
 
     python benchmarks/kernels.py [--threads N] [--only decode|file|prefill|ceiling]
 """
@@ -19,7 +18,7 @@ import numpy as np
 
 from jitllm_core import llama, ops, quant, registry
 from jitllm_core.plugin import Launch
-from jitllm_cpu_llvm import lower, runtime
+from jitllm_cpu_llvm import runtime
 
 DECODE = [("Q4_1", 1536, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576), ("Q4_K", 8192, 2048),
           ("Q4_K", 2048, 8192), ("Q6_K", 2048, 8192)]
@@ -98,25 +97,19 @@ def file_layouts(dev, rng):
             dev.free(b)
 
 
-def prefill(dev, rng, T=64, n=32):
-    print(f"\nprefill, {n} tokens     dequantize        gemm              both")
+def prefill(dev, rng, T=64, n=64):
+    print(f"\nprefill matmul (dequantize blocks into scratch, multiply by every token), {n} tokens")
     for name, rows, cols in PREFILL:
         fmt, w = packed_tensor(name, rows, cols, rng)
-        chunks = list(llama.prefill_chunks(fmt, rows, cols, T))
-        x = rng.standard_normal(T * cols).astype(np.float32)
-        wb, wdq, xb, yb = (upload(dev, w), dev.alloc(chunks[0][0].buffers["out"].size * 4), upload(dev, x),
-                           dev.alloc(T * rows * 4))
-        deq, mul, values = [], [], {"n_tokens": n, "t0": 0}
-        for i, (dq, gm, at) in enumerate(chunks):
-            names = {s: f"{s}_{i}" for s in at}
-            values.update({names[s]: v for s, v in at.items()})
-            deq.append(Launch(dq, {"w": wb, "out": wdq}, names))
-            mul.append(Launch(gm, {"w": wdq, "x": xb, "y": yb}, names))
-        td, tg, tb = (seconds(dev.program(ls), values, 5) for ls in (deq, mul, [x for p in zip(deq, mul) for x in p]))
-        flop = 2 * rows * cols * n
-        print(f"{fmt.name:4} {rows:5d} x {cols:5d}  {td * 1e3:6.2f} ms {rows * cols / td / 1e9:5.1f} Gw/s"
-              f"  {tg * 1e3:6.2f} ms {flop / tg / 1e9:5.1f} GF/s  {flop / tb / 1e9:5.1f} GF/s")
-        for b in (wb, wdq, xb, yb):
+        wb, xb, yb = upload(dev, w), upload(dev, rng.standard_normal(T * cols).astype(np.float32)), dev.alloc(T * rows * 4)
+        launches, values, wdq = [], {"n_tokens": n, "t0": 0}, []
+        for k, at in llama.prefill_matmuls(fmt, rows, cols, T):
+            wdq.append(dev.alloc(k.buffers["wdq"].size * 4))
+            launches.append(Launch(k, {"w": wb, "x": xb, "y": yb, "wdq": wdq[-1]}, {s: f"{s}_{v}" for s, v in at.items()}))
+            values.update({f"{s}_{v}": v for s, v in at.items()})
+        t = seconds(dev.program(launches), values, 5)
+        print(f"{fmt.name:4} {rows:5d} x {cols:5d}  {t * 1e3:6.2f} ms  {2 * rows * cols * n / t / 1e9:5.1f} GFLOP/s")
+        for b in (wb, xb, yb, *wdq):
             dev.free(b)
 
 
@@ -150,22 +143,18 @@ def _timed(fn):
 
 def ceiling(dev, rng, T=64):
     print(f"\nf32 multiply-add peak of one thread (independent chains, no loads): {fma_peak():.1f} GFLOP/s")
-    print("gemm with every input in L1, and a 64-row chunk of 2,048 columns from L2 (best of 15)")
-    for rows, cols, ahead in ((64, 128, lower.TILE_AHEAD), (64, 2048, lower.TILE_AHEAD), (64, 2048, 0)):
-        k = ops.gemm(rows, cols, T, chunk=rows)
-        bufs = {"w": upload(dev, rng.random(rows * cols, np.float32)), "x": upload(dev, rng.random(T * cols, np.float32)),
-                "y": dev.alloc(T * rows * 4)}
-        reps = max(1, 2 ** 28 // (rows * cols * T))
-        saved = lower.TILE_AHEAD, runtime.LOWERING
-        lower.TILE_AHEAD, runtime.LOWERING = ahead, f"{runtime.LOWERING}-ahead{ahead}"  # compiled apart
-        prog, values = dev.program([Launch(k, bufs)] * reps), {"n_tokens": T, "t0": 0, "row0": 0}
-        lower.TILE_AHEAD, runtime.LOWERING = saved
-        prog.run(values)
-        t = min(_timed(lambda: prog.run(values)) for _ in range(15)) / reps
-        print(f"{rows} x {cols} weights, {T} tokens{'' if ahead else ', without the tile prefetch'}: "
-              f"{2 * rows * cols * T / t / 1e9:.1f} GFLOP/s")
-        for b in bufs.values():
-            dev.free(b)
+    print("prefill matmul of 64 rows x 2,048 columns of Q4_K (from L2), 64 tokens (best of 15)")
+    fmt, w = packed_tensor("Q4_K", 64, 2048, rng)
+    k = ops.prefill_matmul(fmt, 64, 2048, T)
+    bufs = {"w": upload(dev, w), "x": upload(dev, rng.random(T * 2048, np.float32)), "y": dev.alloc(T * 64 * 4),
+            "wdq": dev.alloc(k.buffers["wdq"].size * 4)}
+    reps = max(1, 2 ** 28 // (64 * 2048 * T))
+    prog, values = dev.program([Launch(k, bufs)] * reps), {"n_tokens": T, "t0": 0}
+    prog.run(values)
+    t = min(_timed(lambda: prog.run(values)) for _ in range(15)) / reps
+    print(f"{2 * 64 * 2048 * T / t / 1e9:.1f} GFLOP/s")
+    for b in bufs.values():
+        dev.free(b)
 
 
 def main():

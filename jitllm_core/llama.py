@@ -17,7 +17,7 @@ import numpy as np
 from . import ir, ops, quant
 from .cache import cache_dir, digest, write_atomic
 from .errors import ModelFileError
-from .quant import ROWS, dequant_kernel, get_format, packed_format, repack
+from .quant import ROWS, get_format, packed_format, repack
 
 LAYOUTS = digest(Path(quant.__file__).read_bytes())  # a packed file is as new as the code that wrote its layout
 
@@ -198,8 +198,6 @@ class LaunchTemplate:
     scalars: dict = field(default_factory=dict)
 
 
-PREFILL_CHUNK_BYTES = 512 << 10
-PREFILL_CHUNK_ROWS = 64
 PREFILL_CHUNK_COLS = 2048
 WIDE_THREADS = 1024
 
@@ -214,32 +212,23 @@ def interleaves(threads: int) -> bool:
     return threads < WIDE_THREADS
 
 
-def _chunks(fmt, rows, cols):
-    """(rows, columns) of a matrix in layout fmt that prefill dequantizes and multiplies at a time (0: all): about
-    PREFILL_CHUNK_BYTES of f32, so that the dequantized rows are still in L2 when the matmul reads them
-    (dequantizing into L3 measured half as fast), but at least PREFILL_CHUNK_ROWS, so that each chunk's matmul has
-    tiles for every thread. An interleaved format's matrices wider than PREFILL_CHUNK_COLS (an FFN's down
-    projection) go in column chunks of whole blocks, so that the chunk's input columns stay in L2 too."""
-    block = fmt.block if isinstance(fmt, quant.Interleaved) and cols > PREFILL_CHUNK_COLS else 0
-    ccols = next((c for c in range(PREFILL_CHUNK_COLS - PREFILL_CHUNK_COLS % block, 0, -block) if cols % c == 0), 0) \
-        if block else 0
-    target = max(PREFILL_CHUNK_BYTES // (4 * (ccols or cols)), PREFILL_CHUNK_ROWS)
-    if rows <= target:
-        return 0, ccols
-    return next((c for c in range(target - target % ROWS, ROWS - 1, -ROWS) if rows % c == 0), 0), ccols
+def _column_chunk(fmt, cols):
+    """Columns of a matrix in layout fmt that a prefill matmul launch takes at a time (0: all): matrices wider than
+    PREFILL_CHUNK_COLS (an FFN's down projection) go in chunks of whole blocks, so that a chunk's input columns
+    stay in L2 while every row is multiplied by them."""
+    if cols <= PREFILL_CHUNK_COLS:
+        return 0
+    return next((c for c in range(PREFILL_CHUNK_COLS // fmt.block * fmt.block, 0, -fmt.block) if cols % c == 0), 0)
 
 
-def prefill_chunks(fmt, rows, cols, T, accumulate=False, bias=False):
-    """A prefill matmul of weights in layout fmt as (dequantize kernel, gemm kernel, {scalar: value}) per chunk
-    (`_chunks`), in launch order: column chunks outermost, so that their input columns stay in cache; the first
-    column chunk adds the bias (and accumulates if the matmul does), the others add to what it wrote."""
-    chunk, ccols = _chunks(fmt, rows, cols)
-    dq = dequant_kernel(fmt, rows, cols, chunk, ccols, interleaved=True)
+def prefill_matmuls(fmt, rows, cols, T, accumulate=False, bias=False):
+    """A prefill matmul of weights in layout fmt as (kernel, {scalar: value}) per column chunk (`_column_chunk`),
+    in launch order: the first adds the bias (and accumulates if the matmul does), the others add to what it
+    wrote."""
+    ccols = _column_chunk(fmt, cols)
     for c0 in range(0, cols, ccols or cols):
-        gm = ops.gemm(rows, cols, T, accumulate=accumulate or c0 > 0, bias=bias and c0 == 0, chunk=chunk,
-                      chunk_cols=ccols)
-        for r0 in range(0, rows, chunk or rows):
-            yield dq, gm, {**({"row0": r0} if chunk else {}), **({"col0": c0} if ccols else {})}
+        yield (ops.prefill_matmul(fmt, rows, cols, T, accumulate=accumulate or c0 > 0, bias=bias and c0 == 0,
+                                  chunk_cols=ccols), {"col0": c0} if ccols else {})
 
 
 class Llama:
@@ -269,9 +258,10 @@ class Llama:
                 "k": ("f32", T * kv), "v": ("f32", T * kv), "att": ("f32", T * q), "g": ("f32", T * c.ffn),
                 "u": ("f32", T * c.ffn), "h": ("f32", T * c.ffn), "logits": ("f32", T * c.vocab),
                 "scores": ("f32", T * c.n_head * self.n_pages * self.page),
-                # a chunk of one layer matrix, dequantized
-                "wdq": ("f32", max(math.prod(c or n for c, n in zip(_chunks(self.fmt(name, shape), *shape), shape))
-                                   for name, (shape, as_f32) in self.weight_shapes(0).items() if not as_f32)),
+                # the prefill matmuls' scratch: blocks of a layer matrix, dequantized
+                "wdq": ("f32", max((ops.prefill_matmul(self.fmt(name, shape), *shape, T).buffers["wdq"].size
+                                    for name, (shape, as_f32) in self.weight_shapes(0).items()
+                                    if not as_f32 and shape[0] % ROWS == 0), default=1)),
                 # a matmul's input as the dot4 layouts read it (ops.quantize_input)
                 "xq": ("u8", inp * self.digits), "xd": ("f32", inp // 32), "xs": ("f32", inp // 16)}
 
@@ -359,12 +349,12 @@ class Llama:
                                               self.digits),
                                    {"w": f"w:{name}", "x": f"a:{x}", **bufs, **digits}, scalars)]
         out = []
-        for dq, gm, at in prefill_chunks(fmt, rows, cols, self.T, acc, bias is not None):
+        for mm, at in prefill_matmuls(fmt, rows, cols, self.T, acc, bias is not None):
             names = {s: f"{s}_{v}" for s, v in at.items()}  # constants, the same at every step
             self.constants.update({names[s]: v for s, v in at.items()})
-            outs = {b: n for b, n in bufs.items() if b in gm.buffers}  # a later column chunk's: no bias
-            out += [LaunchTemplate(dq, {"w": f"w:{name}", "out": "a:wdq"}, names),
-                    LaunchTemplate(gm, {"w": "a:wdq", "x": f"a:{x}", **outs}, {**scalars, **names})]
+            outs = {b: n for b, n in bufs.items() if b in mm.buffers}  # a later column chunk's: no bias
+            out.append(LaunchTemplate(mm, {"w": f"w:{name}", "x": f"a:{x}", "wdq": "a:wdq", **outs},
+                                      {**scalars, **names}))
         return out
 
     def _inputs(self, x, cols, unit, names, prefill=False, interleave=True):

@@ -10,7 +10,7 @@ import functools
 import math
 
 from . import ir
-from .quant import DIGITS, ROWS, Format, Input, Interleaved
+from .quant import DIGITS, ROWS, Format, Input, Interleaved, dequant_rows
 
 F = ir.f32
 
@@ -130,70 +130,75 @@ def quantize_input(cols: int, T: int, digits: int = DIGITS) -> ir.Kernel:
     return k.finish()
 
 
-GEMM_GROUPS = 2         # groups of ROWS rows (a vector of lanes each) in gemm's register tile
+GEMM_GROUPS = 2         # groups of ROWS rows (a vector of lanes each) in the prefill matmul's register tile
 GEMM_TOKENS = 8         # tokens of its tile: 2 x 8 accumulators, each loaded weight vector and token value used twice
-GEMM_ITEM_TOKENS = 32   # tokens of one parallel iteration: its tiles of rows reuse each block of W from L1
-GEMM_BLOCK = 256        # columns of such a block (2 x 16 rows x 256 columns: 32 KB, L1 holds 48)
+GEMM_BLOCK = 256        # columns of W dequantized at a time (2 x 16 rows x 256 columns of f32: 32 KB, L1 holds 48)
+GEMM_SLICES = 32        # parallel iterations of a prefill matmul (each with its own scratch block)
 
 
-def gemm_block(width: int) -> int:
-    """Columns of gemm's blocks: the largest divisor of `width` up to GEMM_BLOCK, a multiple of 16 if it can."""
-    return next(b for b in range(min(GEMM_BLOCK, width), 0, -1) if width % b == 0 and (b % 16 == 0 or b < 16))
+def gemm_block(fmt: Format, width: int) -> int:
+    """Columns of the prefill matmul's blocks: whole blocks of fmt, up to GEMM_BLOCK (or one), dividing width."""
+    return next(b for b in range(max(GEMM_BLOCK, fmt.block) // fmt.block * fmt.block, 0, -fmt.block)
+                if width % b == 0)
 
 
 @functools.cache
-def gemm(rows: int, cols: int, T: int, accumulate=False, bias=False, chunk=0, chunk_cols=0) -> ir.Kernel:
-    """The prefill matmul on f32 weights (a layer matrix dequantized once per step, rows interleaved by ROWS,
-    W[r // ROWS, c, r % ROWS], as `quant.dequant_kernel` writes them): y[t, r] (+)= sum_c W[r, c] x[t, c] (+ b[r])
-    for t in [t0, n_tokens). A register tile is GEMM_GROUPS vectors of ROWS rows (one lane per row) x
-    GEMM_TOKENS tokens: per column, one vector load per group and one broadcast input value per token, each
-    feeding the others' multiply-adds. A parallel iteration takes a tile's rows and GEMM_ITEM_TOKENS tokens, block
-    of columns by block, so that a block of W is read from memory once and then from L1 by each token tile; a
-    block's sums add into y (contiguous rows: one vector each). Tokens outside [t0, n_tokens) compute on whatever
-    x holds and store nothing.
-    With `chunk`, W holds rows [row0, row0 + chunk) of the matrix (row0 a scalar): the prefill dequantizes and
-    multiplies a matrix chunk by chunk, so that its f32 rows are read back from cache, not from memory; with
-    `chunk_cols`, only columns [col0, col0 + chunk_cols) of them (a sum over the rest is another launch's)."""
-    n_rows, width = chunk or rows, chunk_cols or cols
-    if n_rows % ROWS:
-        raise ir.IRError(f"gemm_{rows}x{cols}: {n_rows} rows are not whole groups of {ROWS}")
-    G = next(g for g in range(GEMM_GROUPS, 0, -1) if n_rows % (g * ROWS) == 0)
-    N, blk = math.gcd(T, GEMM_TOKENS), gemm_block(width)
-    per_item = max(1, GEMM_ITEM_TOKENS // N)  # token tiles
-    k = ir.Kernel(f"gemm_{rows}x{cols}_T{T}_{G * ROWS}x{N}_b{blk}{f'_c{chunk}' if chunk else ''}"
-                  f"{f'_k{chunk_cols}' if chunk_cols else ''}{'_acc' if accumulate else ''}{'_bias' if bias else ''}")
-    k.buffer("w", "f32", n_rows * width), k.buffer("x", "f32", T * cols)
+def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=False, chunk_cols=0) -> ir.Kernel:
+    """y[t, r] (+)= sum_c W[r, c] x[t, c] (+ b[r]) for t in [t0, n_tokens), W in layout fmt: a prefill step's matmul,
+    whose weights are read once for all of the step's tokens. Each parallel iteration (a slice of the rows) takes
+    a register tile's rows at a time (GEMM_GROUPS groups of ROWS rows) and, block by block of columns,
+    dequantizes them into f32 scratch of its own (`wdq`: interleaved, W[r // ROWS, c, r % ROWS], small enough
+    to stay in L1), then multiplies that block by every token of the step: per column, one vector load per group
+    (a lane per row) and one broadcast input value per token, GEMM_TOKENS tokens a tile, each value feeding the
+    others' multiply-adds. A block's sums add into y (contiguous rows: a vector each). Tokens outside [t0,
+    n_tokens) compute on whatever x holds and store nothing. With `chunk_cols`, only columns [col0, col0 +
+    chunk_cols) (a sum over the rest is another launch's; x's columns then stay in L2)."""
+    width = chunk_cols or cols
+    if rows % ROWS:
+        raise ir.IRError(f"prefill matmul {rows}x{cols}: {rows} rows are not whole groups of {ROWS}")
+    G = next(g for g in range(GEMM_GROUPS, 0, -1) if rows % (g * ROWS) == 0)
+    N, blk, tile = math.gcd(T, GEMM_TOKENS), gemm_block(fmt, width), G * ROWS
+    slices = min(GEMM_SLICES, rows // tile)
+    k = ir.Kernel(f"gemm_{fmt.name}_{rows}x{cols}_T{T}_{tile}x{N}_b{blk}{f'_k{chunk_cols}' if chunk_cols else ''}"
+                  f"{'_acc' if accumulate else ''}{'_bias' if bias else ''}")
+    k.buffer("w", fmt.storage, rows * fmt.row_units(cols)), k.buffer("x", "f32", T * cols)
+    k.w_read = lambda n_tokens: rows * fmt.row_units(width)
     if bias:
         k.buffer("b", "f32", rows)
-    k.buffer("y", "f32", T * rows, True)
+    k.buffer("y", "f32", T * rows, True), k.buffer("wdq", "f32", slices * tile * blk, True)
     n, t0 = k.scalar("n_tokens"), k.scalar("t0")
-    row0 = k.scalar("row0") if chunk else 0
     col0 = k.scalar("col0") if chunk_cols else 0
     first = t0 // N
-    tiles = (n + (N - 1)) // N - first  # of tokens
-    items = (tiles + (per_item - 1)) // per_item
-    with k.parallel("it", n_rows // (G * ROWS) * items) as it:
-        r0 = k.let("r0", it // items * (G * ROWS))
-        tile0 = k.let("tile0", first + it % items * per_item)
-        with k.loop("cb", width // blk, "serial") as cb:
-            wb = [k.let(f"wb{i}", ((r0 // ROWS + i) * width + cb * blk) * ROWS) for i in range(G)]
-            with k.loop("tile", ir.vmin(per_item, first + tiles - tile0), "serial", start=tile0) as tile:
-                xb = k.let("xb", tile * N * cols + col0 + cb * blk)
-                with k.loop("l", ROWS, "vector") as l:
-                    c = ir.Var("c")
-                    dots = [[k.let(f"d{i}_{t}", ir.Reduce("add", "c", ir.as_expr(blk), k.load("w", wb[i] + c * ROWS + l)
-                                                            * k.load("x", xb + t * cols + c))) for t in range(N)]
-                            for i in range(G)]
-                    for t in range(N):
-                        tok = tile * N + t
-                        with k.if_(ir.Bin("land", tok >= t0, tok < n)):
-                            for i in range(G):
-                                r = row0 + r0 + i * ROWS + l
-                                old = k.load("y", tok * rows + r)
-                                v = dots[i][t] + (old if accumulate else ir.select(cb > 0, old, 0.0))
-                                if bias:
-                                    v = v + ir.select(cb > 0, 0.0, k.load("b", r))
-                                k.store("y", tok * rows + r, v)
+    with k.parallel("s", slices) as s:
+        scratch = k.let("scratch", s * (tile * blk))
+        rt0 = k.let("rt0", s * (rows // tile) // slices)
+        with k.loop("rt", (s + 1) * (rows // tile) // slices - rt0, "serial", start=rt0) as rt:
+            with k.loop("cb", width // blk, "serial") as cb:
+                b0 = k.let("b0", col0 // fmt.block + cb * (blk // fmt.block))
+                for i in range(G):
+                    dequant_rows(k, fmt, "w", rt * G + i, b0, blk // fmt.block, cols,
+                                 lambda b, e, r, v, i=i: k.store("wdq", scratch + i * (blk * ROWS) + b * (fmt.block * ROWS)
+                                                                 + e * ROWS + r, v))
+                k.barrier()
+                xb = col0 + cb * blk
+                with k.loop("tt", (n + (N - 1)) // N - first, "serial", start=first) as tt:
+                    with k.loop("l", ROWS, "vector") as l:
+                        c = ir.Var("c")
+                        dot = lambda i, t: ir.Reduce("add", "c", ir.as_expr(blk), k.load(
+                            "wdq", scratch + i * (blk * ROWS) + c * ROWS + l) * k.load("x", tt * (N * cols) + xb + t * cols + c))
+                        # token by token, so that each broadcast input feeds its row groups and dies
+                        dots = {(i, t): k.let(f"d{i}_{t}", dot(i, t)) for t in range(N) for i in range(G)}
+                        for t in range(N):
+                            tok = tt * N + t
+                            with k.if_(ir.Bin("land", tok >= t0, tok < n)):
+                                for i in range(G):
+                                    r = rt * tile + i * ROWS + l
+                                    old = k.load("y", tok * rows + r)
+                                    v = dots[i, t] + (old if accumulate else ir.select(cb > 0, old, 0.0))
+                                    if bias:
+                                        v = v + ir.select(cb > 0, 0.0, k.load("b", r))
+                                    k.store("y", tok * rows + r, v)
+                k.barrier()  # before the next block overwrites the scratch
     return k.finish()
 
 

@@ -464,39 +464,44 @@ def get_format(type_name, cols, where=""):
     return fmt
 
 
-@functools.cache  # kernels are immutable once finished
-def dequant_kernel(fmt: Format, rows: int, cols: int, chunk: int = 0, chunk_cols: int = 0,
-                   interleaved: bool = False) -> ir.Kernel:
-    """W -> f32 rows: the reference definition of a format's values, and the first half of a prefill matmul.
-    With `chunk`, only rows [row0, row0 + chunk) (row0 a scalar), into a chunk-sized out; with `chunk_cols` (an
-    interleaved format's, whole blocks), only columns [col0, col0 + chunk_cols) of them. An interleaved format's
-    rows come out interleaved as it stores them: out[row // ROWS, col, row % ROWS]; a file format's too with
-    `interleaved` (the layout the prefill gemm reads; rows a multiple of ROWS)."""
-    n, width = chunk or rows, chunk_cols or cols
-    if chunk_cols and not isinstance(fmt, Interleaved):  # a row's blocks are addressed from its first
-        raise ir.IRError(f"dequant_{fmt.name}: column chunks need an interleaved layout")
-    k = ir.Kernel(f"dequant_{fmt.name}_{rows}x{cols}" + (f"_c{chunk}" if chunk else "")
-                  + (f"_k{chunk_cols}" if chunk_cols else "") + ("_il" if interleaved else ""))
-    k.buffer("w", fmt.storage, rows * fmt.row_units(cols))
-    k.buffer("out", "f32", n * width, True)
-    nb = width // fmt.block
-    row0 = k.scalar("row0") if chunk else 0
-    k.w_read = lambda n_tokens: n * fmt.row_units(width)
+def dequant_rows(k: ir.Kernel, fmt: Format, buf: str, rg, b0, nb: int, cols: int, store):
+    """Emit the dequantization of rows [ROWS rg, ROWS rg + ROWS) of a matrix of `cols` columns in layout fmt,
+    blocks [b0, b0 + nb): store(b, e, r, value) for element e of block b0 + b of row ROWS rg + r. An interleaved
+    format's rows are a vector's lanes (contiguous fields); a file format's are one after another, its block's
+    lanes the vector's."""
     if isinstance(fmt, Interleaved):
-        b0 = k.scalar("col0") // fmt.block if chunk_cols else 0
-        with k.parallel("gb", n // ROWS * nb) as gb:
+        with k.loop("b", nb, "serial") as b:
+            with k.loop("r", ROWS, "vector") as r:
+                for e, v in fmt.values(k, buf, rg, r, cols, b0 + b):
+                    store(b, e, r, v)
+        return
+    with k.loop("r", ROWS, "serial") as r:
+        with k.loop("b", nb, "serial") as b:
+            base = k.let("base", ((rg * ROWS + r) * (cols // fmt.block) + b0 + b) * fmt.unit)
+            for g in range(fmt.groups):
+                with k.loop("l", fmt.lanes, "vector") as l:
+                    for e, v in fmt.terms(k, buf, base, g, l):
+                        store(b, e, r, v)
+
+
+@functools.cache  # kernels are immutable once finished
+def dequant_kernel(fmt: Format, rows: int, cols: int) -> ir.Kernel:
+    """W -> f32 rows: the reference definition of a format's values (the tests hold it to gguf's dequantizers).
+    An interleaved format's rows come out interleaved as it stores them: out[row // ROWS, col, row % ROWS]."""
+    k = ir.Kernel(f"dequant_{fmt.name}_{rows}x{cols}")
+    k.buffer("w", fmt.storage, rows * fmt.row_units(cols))
+    k.buffer("out", "f32", rows * cols, True)
+    nb = cols // fmt.block
+    if isinstance(fmt, Interleaved):
+        with k.parallel("gb", rows // ROWS * nb) as gb:
             g, b = gb // nb, gb % nb
             with k.loop("r", ROWS, "vector") as r:
-                for e, v in fmt.values(k, "w", row0 // ROWS + g, r, cols, b0 + b):
-                    k.store("out", (g * width + b * fmt.block + e) * ROWS + r, v)
+                for e, v in fmt.values(k, "w", g, r, cols, b):
+                    k.store("out", (g * cols + b * fmt.block + e) * ROWS + r, v)
         return k.finish()
-    if interleaved and n % ROWS:
-        raise ir.IRError(f"dequant_{fmt.name}: {n} rows are not whole groups of {ROWS}")
-    with k.parallel("rbg", n * nb * fmt.groups) as rbg:
+    with k.parallel("rbg", rows * nb * fmt.groups) as rbg:
         rb, g = (rbg, 0) if fmt.groups == 1 else (rbg // fmt.groups, rbg % fmt.groups)
-        row, col = rb // nb, rb % nb * fmt.block
         with k.loop("l", fmt.lanes, "vector") as l:
-            for j, w in fmt.terms(k, "w", (row0 * nb + rb) * fmt.unit, g, l):
-                k.store("out", ((row // ROWS * width + col + j) * ROWS + row % ROWS) if interleaved else
-                        rb * fmt.block + j, w)
+            for j, w in fmt.terms(k, "w", rb * fmt.unit, g, l):
+                k.store("out", rb * fmt.block + j, w)
     return k.finish()

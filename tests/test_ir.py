@@ -110,20 +110,17 @@ def op_examples():
         "matmul_q4_1": (ops.matmul(quant.FORMATS["Q4_1"], 5, 64, T, accumulate=True, bias=True), {"n_tokens": 3, "t0": 1}),
         "matmul_q4_k": (ops.matmul(quant.FORMATS["Q4_K"], 3, 256, T), {"n_tokens": 2, "t0": 0}),
         "matmul_q6_k": (ops.matmul(quant.FORMATS["Q6_K"], 3, 256, T), {"n_tokens": 2, "t0": 0}),
-        # register tiles: partial token tiles at both ends, two parallel iterations of tokens, blocks of columns;
-        # a step of 3 tokens in tiles of one row group and one token (small enough for every backend
-        # configuration; test_cpu_gemm_long_rows covers long rows)
-        "gemm_tiled": (ops.gemm(32, 48, 64, accumulate=True, bias=True), {"n_tokens": 45, "t0": 1}),
-        "gemm_small_step": (ops.gemm(48, 32, T), {"n_tokens": 3, "t0": 0}),
-        # prefill by chunks of rows: rows [row0, row0 + chunk) dequantized, then multiplied into y's rows
-        "gemm_chunk": (ops.gemm(64, 4, 64, accumulate=True, bias=True, chunk=32), {"n_tokens": 37, "t0": 1, "row0": 32}),
-        "dequant_chunk": (quant.dequant_kernel(quant.FORMATS["Q4_1"], 8, 64, chunk=4), {"row0": 4}),
-        # a file format's rows interleaved by 16, as gemm reads them
-        "dequant_interleaved": (quant.dequant_kernel(quant.FORMATS["Q4_1"], 48, 64, chunk=32, interleaved=True),
-                                {"row0": 16}),
-        # and of columns: the chunk's sum over columns [col0, col0 + chunk_cols) added into y
-        "gemm_chunk_cols": (ops.gemm(64, 12, 64, accumulate=True, chunk=32, chunk_cols=4),
-                            {"n_tokens": 37, "t0": 1, "row0": 32, "col0": 8}),
+        # prefill matmuls, dequantizing blocks of columns into scratch: partial token tiles at both ends (small
+        # enough for every backend configuration; test_cpu_prefill_matmul_matches_gguf covers long rows, several
+        # slices and the interleaved layouts)
+        "prefill_matmul": (ops.prefill_matmul(quant.FORMATS["Q4_1"], 16, 32, 16, accumulate=True, bias=True),
+                           {"n_tokens": 13, "t0": 1}),
+        # a tile of two row groups, a step of 3 tokens in tiles of one token
+        "prefill_matmul_small_step": (ops.prefill_matmul(quant.FORMATS["Q8_0"], 32, 32, T), {"n_tokens": 3, "t0": 0}),
+        # a chunk of columns [col0, col0 + chunk_cols): its sum added into y
+        "prefill_matmul_chunk_cols": (ops.prefill_matmul(quant.FORMATS["Q4_1"], 16, 96, 8, accumulate=True,
+                                                         chunk_cols=32), {"n_tokens": 7, "t0": 1, "col0": 64}),
+        "dequant": (quant.dequant_kernel(quant.FORMATS["Q4_1"], 8, 64), {}),
         "rope": (ops.rope(3, 8, T), {"pos": 5, "n_tokens": 3}),
         "kv_store_f16": (ops.kv_store(2, 8, T, page, n_pages, n_pages, "f16"), {"pos": 5, "n_tokens": 3}),
         "attention_f32": (ops.attention(4, 2, 8, T, page, n_pages, n_pages, "f32"), {"pos": 5, "n_tokens": 3}),
@@ -152,36 +149,10 @@ def op_inputs(k):
     return bufs
 
 
-def test_gemm_refuses_rows_that_are_not_whole_groups():
-    """gemm's lanes are rows interleaved by 16 (llama._gemm sends other matrices to the decode matmul)."""
+def test_prefill_matmul_refuses_rows_that_are_not_whole_groups():
+    """Its lanes are rows in groups of 16 (llama._gemm sends other matrices to the decode matmul)."""
     with pytest.raises(ir.IRError, match="not whole groups of 16"):
-        ops.gemm(40, 32, 8)
-    with pytest.raises(ir.IRError, match="not whole groups of 16"):
-        quant.dequant_kernel(quant.FORMATS["F16"], 40, 32, interleaved=True)
-
-
-def test_cpu_gemm_long_rows(cpu):
-    """Rows long enough for the lowering's blocked sums across lanes (blocks of 256 columns), by chunks."""
-    k = ops.gemm(64, 768, 64, accumulate=True, chunk=32)
-    assert_matches_interpreter(cpu, k, op_inputs(k), {"n_tokens": 64, "t0": 0, "row0": 32}, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("chunk,chunk_cols", [(0, 0), (64, 32)])
-def test_cpu_gemm_matches_numpy(cpu, chunk, chunk_cols):
-    """The prefill gemm against numpy (the interpreter runs the same IR, so a wrong IR passes it): rows interleaved
-    by 16 in tiles of 32, a chunk of rows and columns, bias, accumulate, a partial step."""
-    rows, cols, T, n, t0, row0, col0 = 128, 96, 64, 45, 3, 64 if chunk else 0, 32 if chunk_cols else 0
-    rng = np.random.default_rng(5)
-    W, x = rng.standard_normal((rows, cols)).astype(np.float32), rng.standard_normal((T, cols)).astype(np.float32)
-    b, y0 = rng.standard_normal(rows).astype(np.float32), rng.standard_normal((T, rows)).astype(np.float32)
-    part = W[row0:row0 + (chunk or rows), col0:col0 + (chunk_cols or cols)]
-    w = part.reshape(-1, 16, part.shape[1]).transpose(0, 2, 1).reshape(-1)   # W[r // 16, c, r % 16]
-    k = ops.gemm(rows, cols, T, accumulate=True, bias=True, chunk=chunk, chunk_cols=chunk_cols)
-    y = run_on_device(cpu, k, {"w": w, "x": x.reshape(-1), "b": b, "y": y0.reshape(-1).copy()},
-                      {"n_tokens": n, "t0": t0, "row0": row0, "col0": col0})["y"].reshape(T, rows)
-    want = y0.copy()
-    want[t0:n, row0:row0 + part.shape[0]] += x[t0:n, col0:col0 + part.shape[1]] @ part.T + b[row0:row0 + part.shape[0]]
-    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-4)
+        ops.prefill_matmul(quant.FORMATS["F16"], 40, 32, 8)
 
 
 def test_cpu_attention_ignores_pool_positions_past_the_keys(cpu):

@@ -51,7 +51,7 @@ def test_prefill_in_column_chunks_matches_transformers(cpu, default_model, monke
     eng = jl.Engine(default_model, devices=["cpu"], kv_dtype="f32")
     try:
         names = {name for _, name, _, _ in profile_decode(eng, prompt_tokens=1, repeats=1, step_tokens=2)[0]}
-        assert any(n.startswith("gemm_576x1536_") and "_k512_" in n for n in names), names
+        assert any(n.startswith("gemm_R4_576x1536_") and "_k512_" in n for n in names), names
         ids = (eng.tokenizer.encode(PROMPTS[0]) * 3)[:40]
         assert np.abs(eng.score(ids) - reference_logits(default_model, ids)).max() <= 1e-3
     finally:

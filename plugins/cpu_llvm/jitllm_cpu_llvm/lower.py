@@ -13,8 +13,7 @@ IR rather than written per format: a little-endian field assembled from bytes is
 function of 4 bits is one table lookup (vpermps), addresses keep each index term's offset visible, and a
 sum of `dot4`s accumulates each into the sum so far (VNNI's vpdpbusd; pmaddubsw where the CPU has no VNNI and
 the bytes are provably small). Weights streamed from memory are prefetched a few KB ahead (into L1) and further
-(into L2), once per address; a register tile's loop prefetches the lines of its two operands a few iterations
-ahead.
+(into L2), once per address.
 A program module adds `step(ptr bufs, ptr scalars, tid, nth, barrier)` that calls every launch's kernel in
 order (through functions of STEP_PART launches each) with a barrier after each that a later launch depends on.
 """
@@ -33,9 +32,6 @@ UNROLL_MAX = 64
 UNROLL_ACCS = 4  # vector accumulators of a long reduction
 JAM = 2  # vectors of lanes per iteration of a vector loop that holds reduces (register tiles)
 LANE_BLOCK = 256  # iterations of a reduce across lanes summed before joining its total
-# iterations ahead that a register tile's loop prefetches the operands it streams (from L2: the hardware's L1
-# prefetchers fall behind three streams: `benchmarks/kernels.py --only ceiling` measures the tile with and without)
-TILE_AHEAD = 8  # 0: none
 # bytes ahead that contiguous loads of large read-only byte buffers prefetch (quantized weights stream from DRAM;
 # smaller buffers, and f32 tiles reused from cache, are left alone), and into which cache level: the far prefetch
 # brings a line into L2, so that the near one's L1 fill waits on L2, not DRAM, and the core's few fill buffers
@@ -123,6 +119,7 @@ class KernelLowering:
         self.mutable = {}  # Local name -> alloca
         self.memo = {}  # IR node id -> VVal within one vector body (a block's bytes are loaded once)
         self.loaded = _loaded_buffers(kernel.body)  # stores to other buffers keep what memo holds
+        self.read_sets = {}  # IR node id -> the buffers it loads from (`reads`)
         self.prefetching = True  # off in the iterations of an unrolled reduce whose loads share a cache line
         self.module = module
 
@@ -721,8 +718,7 @@ class KernelLowering:
 
     def vector_store(self, st, venv, mask=None):
         """A store in a vector body; with a lane mask, only the lanes whose mask bit is set store."""
-        if st.buf in self.loaded:
-            self.memo = {}  # a store may change what a later load reads
+        self.forget(st.buf)
         parts, val = [self.vexpr(t, venv) for t in _index_terms(st.index)], self.vexpr(st.value, venv)
         dt = self.k.buffers[st.buf].dtype
         if all(p.kind != "v" for p in parts) and sum(p.stride for p in parts) == 1:
@@ -741,8 +737,23 @@ class KernelLowering:
         fn = self.declare(f"llvm.masked.scatter.{_mangle(v.type)}.v{W}p0", VOID,
                           [v.type, L.VectorType(PTR, W), I32, mask.type])
         self.b.call(fn, [v, self.lane_pointers(st.buf, self.vexpr(st.index, venv)), L.Constant(I32, 1), mask])
-        if st.buf in self.loaded:
-            self.memo = {}
+        self.forget(st.buf)
+
+    def forget(self, buf):
+        """Drop the body's evaluated values that read buf: a store to it may change what a later load reads
+        (values from other buffers -- a block's scales, say -- stay shared)."""
+        if buf in self.loaded:
+            self.memo = {key: v for key, v in self.memo.items() if key == PREFETCHED or buf not in self.reads(v[0])}
+
+    def reads(self, e):
+        """The buffers expression e loads from (each node's set computed once: a block's hundreds of stores each
+        ask about every value the body holds)."""
+        if id(e) not in self.read_sets:
+            out = {e.buf} if isinstance(e, ir.Load) else set()
+            for c in (e.extent, e.value) if isinstance(e, ir.Reduce) else _children(e):
+                out |= self.reads(c)
+            self.read_sets[id(e)] = (e, frozenset(out))  # e kept alive so that its id is not reused
+        return self.read_sets[id(e)][1]
 
     def sibling_lane_reduces(self, body, i):
         """body[i] (a Let of a lane reduce) and the Lets after it that reduce over the same loop, independently:
@@ -779,7 +790,6 @@ class KernelLowering:
                         v = self.to_vec(self.vexpr(t, venv), dt)
                         self.b.store(self.combine(e.op, self.b.load(acc), v, dt), acc)
                     memos[u] = self.memo
-            self.tile_prefetch(reds, venvs, c)
             del self.env[first.var]
             self.memo = {}
 
@@ -794,31 +804,6 @@ class KernelLowering:
                     self.b.store(self.combine(first.op, self.b.load(t), self.b.load(acc), dt), t)
         self.loop(L.Constant(I32, 0), L.Constant(I32, ext), block, step=blk)
         return [[VVal("v", self.b.load(t)) for t in row] for row in totals]
-
-    def tile_prefetch(self, reds, venvs, c):
-        """A register tile's loop (sums of f32 products of two loads, at iteration c) prefetches each cache line
-        it will read TILE_AHEAD iterations later, once per line."""
-        products = [e.value for e in reds if e.op == "add" and isinstance(e.value, ir.Bin) and e.value.op == "mul"]
-        loads = [x for p in products for x in (p.a, p.b) if isinstance(x, ir.Load)]
-        streamed = all(self.k.buffers[x.buf].dtype == "f32" and not self.k.buffers[x.buf].write for x in loads)
-        if not TILE_AHEAD or len(loads) != 2 * len(reds) or not streamed:
-            return
-        var, done = reds[0].var, set()
-        self.env[var] = self.b.add(c, L.Constant(I32, TILE_AHEAD))
-        for u, venv in enumerate(venvs):
-            self.memo = {}  # addresses of the later iteration, per vector of lanes
-            for x in loads:
-                terms = _index_terms(x.index)
-                parts = [self.vexpr(t, venv) for t in terms]
-                if any(p.kind == "v" for p in parts) or not any(p.stride for p in parts):
-                    continue  # gathers; and broadcasts, whose stream moves a line every 16 iterations
-                offset = sum(t.value for t in terms if isinstance(t, ir.Const))
-                key = (x.buf, u if any(p.stride for p in parts) else None, offset * 4 // 64,
-                       tuple(_address_key(t, {}) for t in terms if not isinstance(t, ir.Const)))
-                if key not in done:
-                    done.add(key)
-                    self.prefetch(self.element(x.buf, [p.val for p in parts]), 3)
-        self.env[var] = c
 
     def vector_accumulators(self, op, dt):
         vacc, sacc = self.alloca(self.vec_type(dt)), self.alloca(COMPUTE[dt])
