@@ -204,11 +204,11 @@ WIDE_THREADS = 1024
 
 def interleaves(threads: int) -> bool:
     """The schedule for a device that runs `threads` parallel iterations at once (Caps.threads). Few, as a CPU's
-    cores: weights row-interleaved, ROWS rows the SIMD lanes of one iteration, and prefill dequantizes chunks of
-    rows to f32 for an outer-product gemm. Many, as a GPU's thousands: the file's layouts, one row per iteration
-    whose lanes split the row's blocks, and prefill runs that matmul for every token, the row coming back from
-    cache -- ROWS rows per iteration would leave most of such a device idle (measured on an H200: 1-2 % of its
-    bandwidth in decode)."""
+    cores: weights row-interleaved, ROWS rows the SIMD lanes of one iteration, and prefill dequantizes blocks of
+    rows to f32 for a register-tile matmul (`ops.prefill_matmul`). Many, as a GPU's thousands: the file's
+    layouts, one row per iteration whose lanes split the row's blocks, and prefill runs that matmul for every
+    token, the row coming back from cache -- ROWS rows per iteration would leave most of such a device idle
+    (measured on an H200: 1-2 % of its bandwidth in decode)."""
     return threads < WIDE_THREADS
 
 

@@ -131,7 +131,7 @@ def quantize_input(cols: int, T: int, digits: int = DIGITS) -> ir.Kernel:
 
 
 GEMM_GROUPS = 2         # groups of ROWS rows (a vector of lanes each) in the prefill matmul's register tile
-GEMM_TOKENS = 8         # tokens of its tile: 2 x 8 accumulators, each loaded weight vector and token value used twice
+GEMM_TOKENS = 8         # tokens of its tile: 2 x 8 accumulators (a weight vector feeds 8, a token's value 2)
 GEMM_BLOCK = 256        # columns of W dequantized at a time (2 x 16 rows x 256 columns of f32: 32 KB, L1 holds 48)
 GEMM_SLICES = 32        # parallel iterations of a prefill matmul (each with its own scratch block)
 
@@ -175,17 +175,18 @@ def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, 
         with k.loop("rt", (s + 1) * (rows // tile) // slices - rt0, "serial", start=rt0) as rt:
             with k.loop("cb", width // blk, "serial") as cb:
                 b0 = k.let("b0", col0 // fmt.block + cb * (blk // fmt.block))
-                for i in range(G):
+                for i in range(G):  # scratch[i, c, r]: row group i, column c of the block, row r of the group
+                    at = lambda b, e, r, i=i: scratch + i * (blk * ROWS) + b * (fmt.block * ROWS) + e * ROWS + r
                     dequant_rows(k, fmt, "w", rt * G + i, b0, blk // fmt.block, cols,
-                                 lambda b, e, r, v, i=i: k.store("wdq", scratch + i * (blk * ROWS) + b * (fmt.block * ROWS)
-                                                                 + e * ROWS + r, v))
+                                 lambda b, e, r, v, at=at: k.store("wdq", at(b, e, r), v))
                 k.barrier()
                 xb = col0 + cb * blk
                 with k.loop("tt", (n + (N - 1)) // N - first, "serial", start=first) as tt:
                     with k.loop("l", ROWS, "vector") as l:
                         c = ir.Var("c")
                         dot = lambda i, t: ir.Reduce("add", "c", ir.as_expr(blk), k.load(
-                            "wdq", scratch + i * (blk * ROWS) + c * ROWS + l) * k.load("x", tt * (N * cols) + xb + t * cols + c))
+                            "wdq", scratch + i * (blk * ROWS) + c * ROWS + l) * k.load("x", tt * (N * cols) + xb
+                                                                                     + t * cols + c))
                         # token by token, so that each broadcast input feeds its row groups and dies
                         dots = {(i, t): k.let(f"d{i}_{t}", dot(i, t)) for t in range(N) for i in range(G)}
                         for t in range(N):
