@@ -235,6 +235,8 @@ class Engine:
         ds, out = self.dev_state[dev_name], []
         kv = kv or self.units[unit].kv or {}
         weight = (lambda n: ds.weights[n][0]) if slot is None else (lambda n: ds.slots[slot][_role(n)])
+        # a device may decline the prefill matmul (Caps.extra["prefill_matmul"]): its prefill then runs the decode one
+        prefill = prefill and self.devices[dev_name].caps.extra.get("prefill_matmul", True)
         for lt in self.model.unit_launches(unit, prefill, self._interleaves(dev_name)):
             bufs = {}
             for param, ref in lt.buffers.items():

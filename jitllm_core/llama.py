@@ -331,15 +331,15 @@ class Llama:
         return packed_format(fmt, shape[0]) if interleave else fmt
 
     def _gemm(self, fmt, rows, prefill, interleave):
-        """Whether a matmul of `rows` rows of weights in layout fmt goes through dequantize + gemm: in a prefill
-        step on an interleaving device (a GPU's prefill runs the decode matmul for every token instead), for rows
-        in whole groups of ROWS (gemm's vectors), unless the dot4 layouts' int8 inputs make the matmul itself the
-        faster one."""
+        """Whether a matmul of `rows` rows of weights in layout fmt goes through the prefill matmul (weights
+        dequantized to f32 once per step, `ops.prefill_matmul`): in a prefill step on an interleaving device (a
+        GPU's prefill runs the decode matmul for every token instead), for rows in whole groups of ROWS (its
+        vectors), unless the dot4 layouts' int8 inputs make the decode matmul the faster one."""
         return prefill and interleave and rows % ROWS == 0 and not (fmt.digits and self.digits == quant.INT8)
 
     def _mm(self, name, x, y, rows, cols, acc=False, bias=None, logits=False, prefill=False, interleave=True):
-        """Matmul launches; only the LM head starts at the step's `t0`, layers need every token. Through gemm
-        (`_gemm`), the weights are first dequantized to f32 once and reused by every token of the step."""
+        """Matmul launches; only the LM head starts at the step's `t0`, layers need every token. Through the
+        prefill matmul (`_gemm`), the weights are dequantized to f32 once and reused by every token of the step."""
         fmt = self.fmt(name, (rows, cols), interleave)
         bufs = {"y": f"a:{y}", **({"b": f"w:{bias}"} if bias else {})}
         scalars = {} if logits else {"t0": "zero"}
@@ -359,7 +359,7 @@ class Llama:
 
     def _inputs(self, x, cols, unit, names, prefill=False, interleave=True):
         """The launch that writes activation x as the dot4 layouts' matmuls of weights `names` (of `unit`) read it,
-        quantized (`xq`, `xd`, `xs`), if any of them is such a matmul (gemm reads x itself)."""
+        quantized (`xq`, `xd`, `xs`), if any of them is such a matmul (the prefill matmul reads x itself)."""
         shapes = self.weight_shapes(unit)
         if not any(f.digits and not self._gemm(f, shapes[n][0][0], prefill, interleave)
                    for n, f in ((n, self.fmt(n, shapes[n][0], interleave)) for n in names)):
