@@ -495,9 +495,8 @@ def dequant_kernel(fmt: Format, rows: int, cols: int) -> ir.Kernel:
     if isinstance(fmt, Interleaved):
         with k.parallel("gb", rows // ROWS * nb) as gb:
             g, b = gb // nb, gb % nb
-            with k.loop("r", ROWS, "vector") as r:
-                for e, v in fmt.values(k, "w", g, r, cols, b):
-                    k.store("out", (g * cols + b * fmt.block + e) * ROWS + r, v)
+            dequant_rows(k, fmt, "w", g, b, 1, cols,
+                         lambda _, e, r, v: k.store("out", (g * cols + b * fmt.block + e) * ROWS + r, v))
         return k.finish()
     with k.parallel("rbg", rows * nb * fmt.groups) as rbg:
         rb, g = (rbg, 0) if fmt.groups == 1 else (rbg // fmt.groups, rbg % fmt.groups)
