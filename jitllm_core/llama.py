@@ -330,7 +330,7 @@ class Llama:
         fmt = self._file_format(name, shape)
         return packed_format(fmt, shape[0]) if interleave else fmt
 
-    def _gemm(self, fmt, rows, prefill, interleave):
+    def _prefill_matmul(self, fmt, rows, prefill, interleave):
         """Whether a matmul of `rows` rows of weights in layout fmt goes through the prefill matmul (weights
         dequantized to f32 once per step, `ops.prefill_matmul`): in a prefill step on an interleaving device (a
         GPU's prefill runs the decode matmul for every token instead), for rows in whole groups of ROWS (its
@@ -339,11 +339,12 @@ class Llama:
 
     def _mm(self, name, x, y, rows, cols, acc=False, bias=None, logits=False, prefill=False, interleave=True):
         """Matmul launches; only the LM head starts at the step's `t0`, layers need every token. Through the
-        prefill matmul (`_gemm`), the weights are dequantized to f32 once and reused by every token of the step."""
+        prefill matmul (`_prefill_matmul`), the weights are dequantized to f32 once and reused by every token of
+        the step."""
         fmt = self.fmt(name, (rows, cols), interleave)
         bufs = {"y": f"a:{y}", **({"b": f"w:{bias}"} if bias else {})}
         scalars = {} if logits else {"t0": "zero"}
-        if not self._gemm(fmt, rows, prefill, interleave):
+        if not self._prefill_matmul(fmt, rows, prefill, interleave):
             digits = {"xq": "a:xq", "xd": "a:xd", "xs": "a:xs"} if fmt.digits else {}
             return [LaunchTemplate(ops.matmul(fmt, rows, cols, self.T, acc, bias is not None, not interleave,
                                               self.digits),
@@ -361,7 +362,7 @@ class Llama:
         """The launch that writes activation x as the dot4 layouts' matmuls of weights `names` (of `unit`) read it,
         quantized (`xq`, `xd`, `xs`), if any of them is such a matmul (the prefill matmul reads x itself)."""
         shapes = self.weight_shapes(unit)
-        if not any(f.digits and not self._gemm(f, shapes[n][0][0], prefill, interleave)
+        if not any(f.digits and not self._prefill_matmul(f, shapes[n][0][0], prefill, interleave)
                    for n, f in ((n, self.fmt(n, shapes[n][0], interleave)) for n in names)):
             return []
         return [LaunchTemplate(ops.quantize_input(cols, self.T, self.digits),
