@@ -1,7 +1,8 @@
 """Lower kernel IR to LLVM IR (llvmlite.ir) for the host CPU.
 
-Each kernel becomes `void k(ptr buf..., i32 scalar..., i32 tid, i32 nth, ptr barrier)`. A top-level parallel
-loop is split into one contiguous chunk per thread; other top-level effects run on thread 0; a top-level
+Each kernel becomes `void k(ptr buf..., i32 scalar..., i32 tid, i32 nth, ptr barrier, ptr counters)`. A top-level
+parallel loop runs half its iterations in one contiguous share per thread and hands out the rest in chunks
+claimed from a counter; other top-level effects run on thread 0; a top-level
 Barrier calls the native barrier. `vector` loops and reduces become SIMD code with W lanes when their bodies
 allow it (affine indices become contiguous vector loads/stores, others gathers/scatters); a reduce whose value
 is a vector reduce of the same op keeps one vector accumulator across both loops (a quantized dot product then
@@ -14,7 +15,7 @@ function of 4 bits is one table lookup (vpermps), addresses keep each index term
 sum of `dot4`s accumulates each into the sum so far (VNNI's vpdpbusd; pmaddubsw where the CPU has no VNNI and
 the bytes are provably small). Weights streamed from memory are prefetched a few KB ahead (into L1) and further
 (into L2), once per address.
-A program module adds `step(ptr bufs, ptr scalars, tid, nth, barrier)` that calls every launch's kernel in
+A program module adds `step(ptr bufs, ptr scalars, tid, nth, barrier, counters)` that calls every launch's kernel in
 order (through functions of STEP_PART launches each) with a barrier after each that a later launch depends on.
 """
 from __future__ import annotations
@@ -39,6 +40,8 @@ LANE_BLOCK = 256  # iterations of a reduce across lanes summed before joining it
 PREFETCH = {4096: 3, 16384: 1}  # distance: LLVM locality (3: all levels, 1: L2 and beyond)
 PREFETCH_MIN = 256 << 10  # "large": more than stays in L2
 STEP_PART = 64  # launches per function of a program's step
+CLAIMS = 4  # chunks per thread of a parallel loop's claimed half
+CLAIM_STRIDE = 16  # i32s between two parallel loops' claim counters (a cache line each)
 PREFETCHED = "prefetched"  # memo entry: the addresses a body has prefetched
 
 BARRIER_IR = """
@@ -104,7 +107,7 @@ def _identity(op, dtype):
 class KernelLowering:
     def __init__(self, module: L.Module, kernel: ir.Kernel, width: int, isa=frozenset()):
         self.k, self.W, self.isa = kernel, width, isa
-        args = [PTR] * len(kernel.buffers) + [I32] * len(kernel.scalars) + [I32, I32, PTR]
+        args = [PTR] * len(kernel.buffers) + [I32] * len(kernel.scalars) + [I32, I32, PTR, PTR]
         self.fn = L.Function(module, L.FunctionType(VOID, args), name=f"k_{kernel.name}_{kernel.key()}")
         self.fn.attributes.add("noinline")
         # allocas live in their own entry block so that two builders never insert into one block
@@ -114,7 +117,7 @@ class KernelLowering:
         a = self.fn.args
         nb, ns = len(kernel.buffers), len(kernel.scalars)
         self.ptrs = dict(zip(kernel.buffers, a[:nb]))
-        self.tid, self.nth, self.bar = a[nb + ns], a[nb + ns + 1], a[nb + ns + 2]
+        self.tid, self.nth, self.bar, self.counters = a[nb + ns:nb + ns + 4]
         self.env = {name: a[nb + i] for i, name in enumerate(kernel.scalars)}
         self.mutable = {}  # Local name -> alloca
         self.memo = {}  # IR node id -> VVal within one vector body (a block's bytes are loaded once)
@@ -168,15 +171,12 @@ class KernelLowering:
     # ------------------------------------------------------------------ kernel
     def lower(self):
         zero = L.Constant(I32, 0)
+        claims = 0
         for s in self.k.body:
             if isinstance(s, ir.Loop) and s.kind == "parallel":
-                start, ext = self.expr(s.start), self.expr(s.extent)
-                chunk = self.b.sdiv(self.b.add(ext, self.b.sub(self.nth, L.Constant(I32, 1))), self.nth)
-                lo = self.b.add(start, self.b.mul(self.tid, chunk))
-                hi = self.b.add(lo, chunk)
-                end = self.b.add(start, ext)
-                hi = self.b.select(self.b.icmp_signed("<", hi, end), hi, end)
-                self.loop(lo, hi, lambda i, s=s: self.block(s.body, {s.var: i}))
+                counter = self.b.gep(self.counters, [L.Constant(I32, claims * CLAIM_STRIDE)], source_etype=I32)
+                self.parallel(s, counter)
+                claims += 1
             elif isinstance(s, ir.Barrier):
                 self.b.call(self.module.get_global("jl_barrier"), [self.bar, self.nth])
             elif isinstance(s, (ir.Let, ir.Local, ir.Assign)):
@@ -186,6 +186,36 @@ class KernelLowering:
         self.b.ret_void()
         self.alloca_b.branch(self.start)
         return self.fn
+
+    def parallel(self, s, counter):
+        """A top-level parallel loop: each thread first runs a contiguous share of half the iterations (no
+        atomics), then all claim the rest a chunk at a time from the launch's counter, so that a thread slowed by
+        whatever else its core runs does less of it instead of holding up the barrier. The body is emitted once."""
+        b, one = self.b, L.Constant(I32, 1)
+        start, ext = self.expr(s.start), self.expr(s.extent)
+        end = b.add(start, ext)
+        share = b.select(b.icmp_signed("==", self.nth, one), ext, b.sdiv(ext, b.mul(self.nth, L.Constant(I32, 2))))
+        first = b.add(start, b.mul(self.nth, share))  # where the claimed chunks begin
+        chunk = b.sdiv(b.sub(end, first), b.mul(self.nth, L.Constant(I32, CLAIMS)))
+        chunk = b.select(b.icmp_signed("<", chunk, one), one, chunk)
+        i, hi = self.alloca(I32), self.alloca(I32)
+        lo = b.add(start, b.mul(self.tid, share))
+        b.store(lo, i), b.store(b.add(lo, share), hi)
+        test, claim, work, done = (self.fn.append_basic_block(n) for n in ("next", "claim", "work", "all_done"))
+        b.branch(test)
+        b.position_at_end(test)
+        b.cbranch(b.icmp_signed("<", b.load(i, typ=I32), b.load(hi, typ=I32)), work, claim)
+        b.position_at_end(claim)
+        c0 = b.add(first, b.mul(b.atomic_rmw("add", counter, one, "monotonic"), chunk))
+        c1 = b.add(c0, chunk)
+        b.store(c0, i), b.store(b.select(b.icmp_signed("<", c1, end), c1, end), hi)
+        b.cbranch(b.icmp_signed("<", c0, end), work, done)
+        b.position_at_end(work)
+        cur = b.load(i, typ=I32)
+        self.block(s.body, {s.var: cur})
+        b.store(b.add(cur, one, flags=("nsw",)), i)
+        b.branch(test)
+        b.position_at_end(done)
 
     def block(self, body, bind):
         saved = dict(self.env)
@@ -1074,36 +1104,51 @@ def _children(e):
     return ()
 
 
+def claim_counters(kernel) -> int:
+    """Claim counters a launch of kernel uses: one per top-level parallel loop."""
+    return sum(isinstance(s, ir.Loop) and s.kind == "parallel" for s in kernel.body)
+
+
 def program_module(launch_slots, kernels, width, triple, isa=frozenset()) -> L.Module:
     """One module: every distinct kernel, the barrier, and `step` that calls the launches in order.
 
     launch_slots: list of (kernel key, [buffer slot per buffer param], [scalar slot per scalar param],
-    barrier after this launch?). The last launch is always followed by a barrier.
+    barrier after this launch?). The last launch is always followed by a barrier. Each launch's parallel loops
+    claim work from counters of their own (CLAIM_STRIDE i32s apart, all of them zero when a step starts), which
+    thread 0 zeroes again once the step's final barrier is passed.
     """
     m = L.Module(name="jitllm_program")
     m.triple = triple
     barrier = L.Function(m, L.FunctionType(VOID, [PTR, I32]), name="jl_barrier")  # defined by BARRIER_IR
-    fns = {}
+    fns, claims = {}, {}
     for k in kernels:
         if k.key() not in fns:
             fns[k.key()] = KernelLowering(m, k, width, isa).lower()
-    sig = L.FunctionType(VOID, [PTR, PTR, I32, I32, PTR])
+            claims[k.key()] = claim_counters(k)
+    sig = L.FunctionType(VOID, [PTR, PTR, I32, I32, PTR, PTR])
     step = L.Function(m, sig, name="jl_step")
     sb = L.IRBuilder(step.append_basic_block("entry"))
     # the launches go in parts of STEP_PART, each its own function: code generation of one function of
     # thousands of calls (a 1B model's prefill step: 5,888 launches) took a minute, that of the parts seconds
+    counter = 0
     for p0 in range(0, len(launch_slots), STEP_PART):
         part = L.Function(m, sig, name=f"jl_part{p0 // STEP_PART}")
         part.attributes.add("noinline")
-        bufs, scal, tid, nth, bar = part.args
+        bufs, scal, tid, nth, bar, counters = part.args
         b = L.IRBuilder(part.append_basic_block("entry"))
         for i, (key, bslots, sslots, sync) in enumerate(launch_slots[p0:p0 + STEP_PART], p0):
             args = [b.load(b.gep(bufs, [L.Constant(I32, s)], source_etype=PTR), typ=PTR) for s in bslots]
             args += [b.load(b.gep(scal, [L.Constant(I32, s)], source_etype=I32), typ=I32) for s in sslots]
-            b.call(fns[key], args + [tid, nth, bar])
+            mine = b.gep(counters, [L.Constant(I32, counter * CLAIM_STRIDE)], source_etype=I32)
+            b.call(fns[key], args + [tid, nth, bar, mine])
+            counter += claims[key]
             if sync or i == len(launch_slots) - 1:
                 b.call(barrier, [bar, nth])
         b.ret_void()
         sb.call(part, list(step.args))
+    tid, counters = step.args[2], step.args[5]
+    with sb.if_then(sb.icmp_signed("==", tid, L.Constant(I32, 0))):
+        memset = L.Function(m, L.FunctionType(VOID, [PTR, I8, I64, I1]), name="llvm.memset.p0.i64")
+        sb.call(memset, [counters, L.Constant(I8, 0), L.Constant(I64, counter * CLAIM_STRIDE * 4), L.Constant(I1, 0)])
     sb.ret_void()
     return m

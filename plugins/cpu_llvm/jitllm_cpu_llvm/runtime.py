@@ -1,7 +1,8 @@
 """CPU devices: memory arenas, JIT compilation (cached on disk) and threads that run whole-step programs.
 
-A program is one native function `jl_step(bufs, scalars, tid, nth, barrier)`; every thread of the device calls
-it with its own tid, and a native barrier separates launches. The calling thread is thread 0, so one step costs
+A program is one native function `jl_step(bufs, scalars, tid, nth, barrier, counters)`; every thread of the device
+calls it with its own tid, a native barrier separates launches, and the program's counters are where its parallel
+loops claim work. The calling thread is thread 0, so one step costs
 one ctypes call plus one wake-up of the workers.
 """
 from __future__ import annotations
@@ -21,7 +22,8 @@ from jitllm_core.plugin import Buffer, Caps, Device, Program
 
 from . import lower
 
-STEP = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p)
+STEP = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p,
+                        ctypes.c_void_p)
 _init_lock = threading.Lock()
 LOWERING = digest(Path(lower.__file__).read_bytes(), Path(__file__).read_bytes())  # code is as new as its compiler
 _passes = None
@@ -105,15 +107,15 @@ class Workers:
     def _loop(self, tid):
         while True:
             self.go[tid - 1].acquire()
-            fn, bufs, scal = self.job
-            fn(bufs, scal, tid, self.nth, ctypes.addressof(self.bar))
+            fn, bufs, scal, counters = self.job
+            fn(bufs, scal, tid, self.nth, ctypes.addressof(self.bar), counters)
 
-    def run(self, fn, bufs, scal):
+    def run(self, fn, bufs, scal, counters):
         with self.lock:
-            self.job = (fn, bufs, scal)
+            self.job = (fn, bufs, scal, counters)
             for s in self.go:
                 s.release()
-            fn(bufs, scal, 0, self.nth, ctypes.addressof(self.bar))  # returns after the final barrier
+            fn(bufs, scal, 0, self.nth, ctypes.addressof(self.bar), counters)  # returns after the final barrier
 
 
 class CpuBuffer(Buffer):
@@ -148,11 +150,13 @@ class CpuProgram(Program):
         self.keep = [b for _, b in bslot.values()]
         self.bufs = (ctypes.c_void_p * max(1, len(bslot)))(*[b.addr for _, b in sorted(bslot.values(), key=lambda t: t[0])])
         self.scal = (ctypes.c_int32 * max(1, len(sslot)))()
+        self.counters = CpuBuffer(device, 4 * lower.CLAIM_STRIDE * max(1, sum(map(lower.claim_counters, kernels))))
 
     def run(self, values):
         for name, i in self.scalar_slots.items():
             self.scal[i] = int(values[name])
-        self.device.workers.run(self.compiled.step, ctypes.addressof(self.bufs), ctypes.addressof(self.scal))
+        self.device.workers.run(self.compiled.step, ctypes.addressof(self.bufs), ctypes.addressof(self.scal),
+                                self.counters.addr)
 
 
 def barriers_needed(launches):
