@@ -130,9 +130,11 @@ def quantize_input(cols: int, T: int, digits: int = DIGITS) -> ir.Kernel:
     return k.finish()
 
 
-GEMM_GROUPS = 2         # groups of ROWS rows (a vector of lanes each) in the prefill matmul's register tile
-GEMM_TOKENS = 8         # tokens of its tile: 2 x 8 accumulators (a weight vector feeds 8, a token's value 2)
-GEMM_BLOCK = 256        # columns of W dequantized at a time (2 x 16 rows x 256 columns of f32: 32 KB, L1 holds 48)
+# The prefill matmul's register tile: 4 x 6 accumulators take 10 loads per 24 multiply-adds (2 x 8: 10 per 16, where
+# the loads, not the multiply-adds, set the pace); a 64-token step is then 10 tiles of 6 tokens and one of 4 (+ 2 spare)
+GEMM_GROUPS = 4         # groups of ROWS rows (a vector of lanes each) in the prefill matmul's register tile
+GEMM_TOKENS = 6         # tokens of its tile: a weight vector feeds 6 accumulators, a token's value 4
+GEMM_BLOCK = 256        # columns of W dequantized at a time (4 x 16 rows x 256 columns of f32: 64 KB, from L2)
 GEMM_SLICES = 32        # parallel iterations of a prefill matmul (each with its own scratch block)
 
 
@@ -151,13 +153,13 @@ def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, 
     to stay in L1), then multiplies that block by every token of the step: per column, one vector load per group
     (a lane per row) and one broadcast input value per token, GEMM_TOKENS tokens a tile, each value feeding the
     others' multiply-adds. A block's sums add into y (contiguous rows: a vector each). Tokens outside [t0,
-    n_tokens) compute on whatever x holds and store nothing. With `chunk_cols`, only columns [col0, col0 +
+    n_tokens) compute on x's last token and store nothing. With `chunk_cols`, only columns [col0, col0 +
     chunk_cols) (a sum over the rest is another launch's; x's columns then stay in L2)."""
     width = chunk_cols or cols
     if rows % ROWS:
         raise ir.IRError(f"prefill matmul {rows}x{cols}: {rows} rows are not whole groups of {ROWS}")
     G = next(g for g in range(GEMM_GROUPS, 0, -1) if rows % (g * ROWS) == 0)
-    N, blk, tile = math.gcd(T, GEMM_TOKENS), gemm_block(fmt, width), G * ROWS
+    N, blk, tile = min(T, GEMM_TOKENS), gemm_block(fmt, width), G * ROWS
     slices = min(GEMM_SLICES, rows // tile)
     k = ir.Kernel(f"gemm_{fmt.name}_{rows}x{cols}_T{T}_{tile}x{N}_b{blk}{f'_k{chunk_cols}' if chunk_cols else ''}"
                   f"{'_acc' if accumulate else ''}{'_bias' if bias else ''}")
@@ -184,9 +186,9 @@ def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, 
                 with k.loop("tt", (n + (N - 1)) // N - first, "serial", start=first) as tt:
                     with k.loop("l", ROWS, "vector") as l:
                         c = ir.Var("c")
+                        xt = [k.let(f"x{t}", ir.select(tt * N + t < T, tt * N + t, T - 1) * cols + xb) for t in range(N)]
                         dot = lambda i, t: ir.Reduce("add", "c", ir.as_expr(blk), k.load(
-                            "wdq", scratch + i * (blk * ROWS) + c * ROWS + l) * k.load("x", tt * (N * cols) + xb
-                                                                                     + t * cols + c))
+                            "wdq", scratch + i * (blk * ROWS) + c * ROWS + l) * k.load("x", xt[t] + c))
                         # token by token, so that each broadcast input feeds its row groups and dies
                         dots = {(i, t): k.let(f"d{i}_{t}", dot(i, t)) for t in range(N) for i in range(G)}
                         for t in range(N):

@@ -141,9 +141,10 @@ def test_unsupported_format_is_named():
 @pytest.mark.parametrize("name", ["F16", "Q8_0", "Q4_1", "Q4_K", "Q6_K"])
 def test_cpu_prefill_matmul_matches_gguf(cpu, name, packed):
     """The prefill matmul (blocks of columns dequantized into scratch, multiplied by every token) against gguf's
-    dequantized weights times the input in numpy: each layout a CPU holds, two slices of rows (a tile of 32 and
-    one of 16), more than one block of columns, bias, accumulate, a partial step, and a chunk of columns."""
-    rows, cols, T, n, t0 = 96, 1024, 64, 45, 3
+    dequantized weights times the input in numpy: each layout a CPU holds, three slices of rows (a tile of 64
+    each), more than one block of columns, bias, accumulate, a partial step, a whole one (whose last tile of tokens
+    runs past the step), and a chunk of columns."""
+    rows, cols, T = 192, 1024, 64
     rng = np.random.default_rng(13)
     w, ref = random_tensor(name, rows, cols, rng)
     fmt = quant.packed_format(quant.get_format(name, cols), rows) if packed else quant.get_format(name, cols)
@@ -152,7 +153,7 @@ def test_cpu_prefill_matmul_matches_gguf(cpu, name, packed):
     w = quant.repack(quant.get_format(name, cols), w, rows) if packed else w
     x = rng.standard_normal((T, cols)).astype(np.float32)
     b, y0 = rng.standard_normal(rows).astype(np.float32), rng.standard_normal((T, rows)).astype(np.float32)
-    for chunk_cols, col0 in ((0, 0), (512, 512)):
+    for chunk_cols, col0, n, t0 in ((0, 0, 45, 3), (512, 512, 45, 3), (0, 0, T, 0)):
         k = ops.prefill_matmul(fmt, rows, cols, T, accumulate=True, bias=True, chunk_cols=chunk_cols)
         y = run_on_device(cpu, k, {"w": w, "x": x.reshape(-1), "b": b, "y": y0.reshape(-1).copy(),
                                    "wdq": np.zeros(k.buffers["wdq"].size, np.float32)},
