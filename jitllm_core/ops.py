@@ -207,20 +207,21 @@ def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, 
 
 @functools.cache
 def rope(n_heads: int, head_dim: int, T: int) -> ir.Kernel:
-    """Rotate adjacent pairs (x[2i], x[2i+1]) by (pos + t) * freq[i] (GGUF llama layout)."""
+    """Rotate adjacent pairs (x[2i], x[2i+1]) by (pos + t) * freq[i] (GGUF llama layout). An angle's cosine and
+    sine are computed once for every head they rotate."""
     half = head_dim // 2
     k = ir.Kernel(f"rope_{n_heads}x{head_dim}_T{T}")
     k.buffer("q", "f32", T * n_heads * head_dim, True), k.buffer("freq", "f32", half)
     pos, n = k.scalar("pos"), k.scalar("n_tokens")
-    with k.parallel("idx", n * (n_heads * half)) as idx:
-        t, rest = idx // (n_heads * half), idx % (n_heads * half)
-        i = rest % half
-        base = t * (n_heads * head_dim) + rest // half * head_dim + 2 * i
+    with k.parallel("ti", n * half) as ti:
+        t, i = ti // half, ti % half
         ang = k.let("ang", F(pos + t) * k.load("freq", i))
         c, s = k.let("c", ir.cos(ang)), k.let("s", ir.sin(ang))
-        x0, x1 = k.let("x0", k.load("q", base)), k.let("x1", k.load("q", base + 1))
-        k.store("q", base, x0 * c - x1 * s)
-        k.store("q", base + 1, x0 * s + x1 * c)
+        with k.loop("h", n_heads, "serial") as h:
+            base = t * (n_heads * head_dim) + h * head_dim + 2 * i
+            x0, x1 = k.let("x0", k.load("q", base)), k.let("x1", k.load("q", base + 1))
+            k.store("q", base, x0 * c - x1 * s)
+            k.store("q", base + 1, x0 * s + x1 * c)
     return k.finish()
 
 

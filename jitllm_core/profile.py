@@ -52,7 +52,7 @@ def profile_decode(eng, prompt_tokens=32, repeats=5, step_tokens=1):
 def print_profile(rows, whole, file=None):
     by_kernel = {}
     for u, name, s, b in rows:
-        kind = name.split("_")[0] if not name.startswith("matmul") else "_".join(name.split("_")[:3])
+        kind = "_".join(name.split("_")[:3]) if name.startswith(("matmul", "gemm")) else name.split("_")[0]
         agg = by_kernel.setdefault(kind, [0, 0.0, 0])
         agg[0] += 1
         agg[1] += s
