@@ -292,6 +292,7 @@ class Kernel:
         # elements of buffer "w" one launch reads, given n_tokens, where that is not the whole buffer (an
         # embedding's rows, a chunk of a matrix): what profiles count as its weight bytes
         self.w_read = None
+        self.flops = None  # given n_tokens, the multiply-adds x 2 of a launch (a matmul's), for profiles' GFLOP/s
 
     # -- parameters
     def buffer(self, name, dtype, size, write=False) -> str:

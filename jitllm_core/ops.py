@@ -165,6 +165,7 @@ def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, 
                   f"{'_acc' if accumulate else ''}{'_bias' if bias else ''}")
     k.buffer("w", fmt.storage, rows * fmt.row_units(cols)), k.buffer("x", "f32", T * cols)
     k.w_read = lambda n_tokens: rows * fmt.row_units(width)
+    k.flops = lambda n_tokens: 2 * rows * width * n_tokens
     if bias:
         k.buffer("b", "f32", rows)
     k.buffer("y", "f32", T * rows, True), k.buffer("wdq", "f32", slices * tile * blk, True)

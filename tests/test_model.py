@@ -50,7 +50,7 @@ def test_prefill_in_column_chunks_matches_transformers(cpu, default_model, monke
     monkeypatch.setattr(llama, "PREFILL_CHUNK_COLS", 512)  # SmolLM2's down projection: 3 chunks of its 1,536
     eng = jl.Engine(default_model, devices=["cpu"], kv_dtype="f32")
     try:
-        names = {name for _, name, _, _ in profile_decode(eng, prompt_tokens=1, repeats=1, step_tokens=2)[0]}
+        names = {name for _, name, *_ in profile_decode(eng, prompt_tokens=1, repeats=1, step_tokens=2)[0]}
         assert any(n.startswith("gemm_R4_576x1536_") and "_k512_" in n for n in names), names
         ids = (eng.tokenizer.encode(PROMPTS[0]) * 3)[:40]
         assert np.abs(eng.score(ids) - reference_logits(default_model, ids)).max() <= 1e-3
@@ -90,7 +90,7 @@ def test_wide_schedule_matches_transformers(wide, default_model, engines):
     eng = jl.Engine(default_model, devices=[wide], kv_dtype="f32")
     try:
         for step in (1, 2):   # a decode step, a prefill step
-            names = {name for _, name, _, _ in profile_decode(eng, prompt_tokens=1, repeats=1, step_tokens=step)[0]}
+            names = {name for _, name, *_ in profile_decode(eng, prompt_tokens=1, repeats=1, step_tokens=step)[0]}
             assert any(n.startswith("matmul_Q4_1_") for n in names), names
             assert not any(n.startswith(("matmul_R", "gemm", "dequant", "quantize_input")) for n in names), names
         ids = eng.tokenizer.encode(PROMPTS[0])[:12]   # on a CPU, the GPU's form of the dot runs ~20x slower
@@ -184,10 +184,15 @@ def test_profile_times_every_launch_and_counts_weight_bytes(engines):
     eng = engines["f16"]
     rows, whole = profile_decode(eng, prompt_tokens=4, repeats=1)
     launches = sum(len(eng._bind(u, seg.device)) for seg in eng.segments for u in seg.units)
-    assert len(rows) == launches and whole > 0 and all(s > 0 for _, _, s, _ in rows)
-    mm_bytes = sum(b for _, name, _, b in rows if name.startswith("matmul"))
+    assert len(rows) == launches and whole > 0 and all(r[2] > 0 for r in rows)
+    mm_bytes = sum(b for _, name, _, b, _ in rows if name.startswith("matmul"))
     want = sum(eng.model.tensor_bytes(t, u) for u in eng.model.units for t, (_, as_f32) in
                eng.model.weight_shapes(u).items() if not as_f32 and u != "embed")
     assert mm_bytes == want
-    embed_bytes, = [b for _, name, _, b in rows if name.startswith("embed")]  # one row of the table per token
+    embed_bytes, = [b for _, name, _, b, _ in rows if name.startswith("embed")]  # one row of the table per token
     assert embed_bytes * eng.model.cfg.vocab == eng.model.tensor_bytes("token_embd.weight", "embed")
+    # a prefill step's matmuls count 2 flops per weight per token (the LM head, for the last token, is a matvec)
+    rows, _ = profile_decode(eng, prompt_tokens=4, repeats=1, step_tokens=8)
+    weights = sum(np.prod(shape) for u in eng.model.units if u not in ("embed", "head")
+                  for shape, as_f32 in eng.model.weight_shapes(u).values() if not as_f32)
+    assert sum(f for _, name, _, _, f in rows if name.startswith("gemm")) == 2 * 8 * weights
