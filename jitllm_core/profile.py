@@ -21,8 +21,8 @@ def _median_time(fn, repeats):
 
 
 def profile_decode(eng, prompt_tokens=32, repeats=5, step_tokens=1):
-    """Rows of (unit, kernel, seconds, bytes read from weights, flops where the kernel counts them) for one step of step_tokens tokens (1: a decode
-    step) at position prompt_tokens, plus the whole step's time."""
+    """Rows of (unit, kernel, seconds, bytes read from weights, flops where the kernel counts them) for one step
+    of step_tokens tokens (1: a decode step) at position prompt_tokens, plus the whole step's time."""
     seq = eng.new_sequence()
     prefill = step_tokens > 1
     try:
