@@ -131,7 +131,7 @@ def quantize_input(cols: int, T: int, digits: int = DIGITS) -> ir.Kernel:
 
 
 # The prefill matmul's register tile: 4 x 6 accumulators take 10 loads per 24 multiply-adds (2 x 8: 10 per 16, where
-# the loads, not the multiply-adds, set the pace); a 64-token step is then 10 tiles of 6 tokens and one of 4 (+ 2 spare)
+# the loads, not the multiply-adds, set the pace); a 64-token step is then 10 tiles of 6 tokens and one of 4
 GEMM_GROUPS = 4         # groups of ROWS rows (a vector of lanes each) in the prefill matmul's register tile
 GEMM_TOKENS = 6         # tokens of its tile: a weight vector feeds 6 accumulators, a token's value 4
 GEMM_BLOCK = 256        # columns of W dequantized at a time (4 x 16 rows x 256 columns of f32: 64 KB, from L2)
@@ -149,33 +149,36 @@ def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, 
     """y[t, r] (+)= sum_c W[r, c] x[t, c] (+ b[r]) for t in [t0, n_tokens), W in layout fmt: a prefill step's matmul,
     whose weights are read once for all of the step's tokens. Each parallel iteration (a slice of the rows) takes
     a register tile's rows at a time (GEMM_GROUPS groups of ROWS rows) and, block by block of columns,
-    dequantizes them into f32 scratch of its own (`wdq`: interleaved, W[r // ROWS, c, r % ROWS], small enough
-    to stay in L1), then multiplies that block by every token of the step: per column, one vector load per group
+    dequantizes them into f32 scratch of its own (`wdq`: interleaved, W[r // ROWS, c, r % ROWS]; 64 KB, from
+    L2), then multiplies that block by every token of the step: per column, one vector load per group
     (a lane per row) and one broadcast input value per token, GEMM_TOKENS tokens a tile, each value feeding the
     others' multiply-adds. A block's sums add into y (contiguous rows: a vector each). Tokens outside [t0,
-    n_tokens) compute on x's last token and store nothing. With `chunk_cols`, only columns [col0, col0 +
+    n_tokens) compute on what x holds and store nothing. With `chunk_cols`, only columns [col0, col0 +
     chunk_cols) (a sum over the rest is another launch's; x's columns then stay in L2)."""
     width = chunk_cols or cols
     if rows % ROWS:
         raise ir.IRError(f"prefill matmul {rows}x{cols}: {rows} rows are not whole groups of {ROWS}")
     G = next(g for g in range(GEMM_GROUPS, 0, -1) if rows % (g * ROWS) == 0)
-    N, blk, tile = min(T, GEMM_TOKENS), gemm_block(fmt, width), G * ROWS
-    slices = min(GEMM_SLICES, rows // tile)
-    k = ir.Kernel(f"gemm_{fmt.name}_{rows}x{cols}_T{T}_{tile}x{N}_b{blk}{f'_k{chunk_cols}' if chunk_cols else ''}"
-                  f"{'_acc' if accumulate else ''}{'_bias' if bias else ''}")
+    N, blk, tile_rows = min(T, GEMM_TOKENS), gemm_block(fmt, width), G * ROWS
+    slices = min(GEMM_SLICES, rows // tile_rows)
+    k = ir.Kernel(f"gemm_{fmt.name}_{rows}x{cols}_T{T}_{tile_rows}x{N}_b{blk}"
+                  f"{f'_k{chunk_cols}' if chunk_cols else ''}{'_acc' if accumulate else ''}{'_bias' if bias else ''}")
     k.buffer("w", fmt.storage, rows * fmt.row_units(cols)), k.buffer("x", "f32", T * cols)
     k.w_read = lambda n_tokens: rows * fmt.row_units(width)
     k.flops = lambda n_tokens: 2 * rows * width * n_tokens
     if bias:
         k.buffer("b", "f32", rows)
-    k.buffer("y", "f32", T * rows, True), k.buffer("wdq", "f32", slices * tile * blk, True)
+    k.buffer("y", "f32", T * rows, True), k.buffer("wdq", "f32", slices * tile_rows * blk, True)
     n, t0 = k.scalar("n_tokens"), k.scalar("t0")
     col0 = k.scalar("col0") if chunk_cols else 0
-    first = t0 // N
+    # tiles of N tokens from the first wanted, then one of `tail` (T % N) tokens where the step reaches it: a full
+    # step runs no token twice, and no tile reads past the step's last token
+    tail, first = T % N, t0 // N
+    full = (n - tail + N - 1) // N  # where the tiles of N end
     with k.parallel("s", slices) as s:
-        scratch = k.let("scratch", s * (tile * blk))
-        rt0 = k.let("rt0", s * (rows // tile) // slices)
-        with k.loop("rt", (s + 1) * (rows // tile) // slices - rt0, "serial", start=rt0) as rt:
+        scratch = k.let("scratch", s * (tile_rows * blk))
+        rt0 = k.let("rt0", s * (rows // tile_rows) // slices)
+        with k.loop("rt", (s + 1) * (rows // tile_rows) // slices - rt0, "serial", start=rt0) as rt:
             with k.loop("cb", width // blk, "serial") as cb:
                 b0 = k.let("b0", col0 // fmt.block + cb * (blk // fmt.block))
                 for i in range(G):  # scratch[i, c, r]: row group i, column c of the block, row r of the group
@@ -184,24 +187,30 @@ def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, 
                                  lambda b, e, r, v, at=at: k.store("wdq", at(b, e, r), v))
                 k.barrier()
                 xb = col0 + cb * blk
-                with k.loop("tt", (n + (N - 1)) // N - first, "serial", start=first) as tt:
+
+                def tile(start, size):  # tokens [start, start + size) of the step by the block's rows
                     with k.loop("l", ROWS, "vector") as l:
                         c = ir.Var("c")
-                        xt = [k.let(f"x{t}", ir.select(tt * N + t < T, tt * N + t, T - 1) * cols + xb) for t in range(N)]
+                        xs = [k.let(f"x{size}_{t}", (start + t) * cols + xb) for t in range(size)]
                         dot = lambda i, t: ir.Reduce("add", "c", ir.as_expr(blk), k.load(
-                            "wdq", scratch + i * (blk * ROWS) + c * ROWS + l) * k.load("x", xt[t] + c))
+                            "wdq", scratch + i * (blk * ROWS) + c * ROWS + l) * k.load("x", xs[t] + c))
                         # token by token, so that each broadcast input feeds its row groups and dies
-                        dots = {(i, t): k.let(f"d{i}_{t}", dot(i, t)) for t in range(N) for i in range(G)}
-                        for t in range(N):
-                            tok = tt * N + t
+                        dots = {(i, t): k.let(f"d{size}_{i}_{t}", dot(i, t)) for t in range(size) for i in range(G)}
+                        for t in range(size):
+                            tok = start + t
                             with k.if_(ir.Bin("land", tok >= t0, tok < n)):
                                 for i in range(G):
-                                    r = rt * tile + i * ROWS + l
+                                    r = rt * tile_rows + i * ROWS + l
                                     old = k.load("y", tok * rows + r)
                                     v = dots[i, t] + (old if accumulate else ir.select(cb > 0, old, 0.0))
                                     if bias:
                                         v = v + ir.select(cb > 0, 0.0, k.load("b", r))
                                     k.store("y", tok * rows + r, v)
+                with k.loop("tt", ir.vmax(full, first) - first, "serial", start=first) as tt:
+                    tile(tt * N, N)
+                if tail:
+                    with k.if_(full * N < n):
+                        tile(full * N, tail)
                 k.barrier()  # before the next block overwrites the scratch
     return k.finish()
 
