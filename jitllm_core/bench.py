@@ -5,9 +5,9 @@ Method, per thread count: one jitllm Engine and one llama.cpp context with that 
 and the same prompt token ids; one warm-up run of each, then `repeats` runs interleaved A B A B; medians.
 Prompt tok/s = prompt tokens / prefill time; decode tok/s = decode steps / their time (greedy, EOS ignored).
 Read bandwidth: the engine's device summing a 256 MB f32 matrix with a kernel of its own, on the same threads
-(planner.read_bandwidth), the best of 5 before the runs and of 2 after each, in the same run. Decode's fraction of it = bytes read per token x decode
-tok/s / bandwidth, where jitllm's bytes are what its engine counts (weights in their packed layout) and
-llama.cpp's are the GGUF file's tensors.
+(planner.read_bandwidth), the best of 5 before the runs and of 2 after each, in the same run. Decode's fraction
+of it = bytes read per token x decode tok/s / bandwidth, where jitllm's bytes are what its engine counts
+(weights in their packed layout) and llama.cpp's are the GGUF file's tensors.
 """
 from __future__ import annotations
 
