@@ -35,3 +35,27 @@ def test_model_logits_independent_of_thread_count(default_model, two_threads):
     out1 = eng.generate(ids[:20], max_tokens=12, ignore_eos=True).token_ids
     eng.close()
     assert np.array_equal(one, two) and out1 == out2
+
+
+def test_claimed_iterations_cover_each_run_once(two_threads):
+    """Half a parallel loop is claimed in chunks from a counter per launch: every iteration runs exactly once in
+    every run of a program (the counters start from zero again), for two independent launches back to back (no
+    barrier between them), and for loops with fewer iterations than threads x 2."""
+    from jitllm_core import ir
+    from jitllm_core.plugin import Launch
+    k = ir.Kernel("count_iterations")
+    k.buffer("y", "i32", 4096, True)
+    with k.parallel("i", k.scalar("n")) as i:
+        k.store("y", i, k.load("y", i) + 1)
+    k = k.finish()
+    dev = two_threads
+    dev.configure(threads=3)
+    a, b = dev.alloc(4096 * 4), dev.alloc(4096 * 4)
+    prog = dev.program([Launch(k, {"y": a}, {"n": "na"}), Launch(k, {"y": b}, {"n": "nb"})])
+    runs = [(4096, 1), (1, 4096), (1000, 5), (4096, 4096)]
+    for na, nb in runs:
+        prog.run({"na": na, "nb": nb})
+    for buf, ns in ((a, [r[0] for r in runs]), (b, [r[1] for r in runs])):
+        got = dev.download(buf).view(np.int32)
+        assert np.array_equal(got, sum((np.arange(4096) < n).astype(np.int32) for n in ns))
+    dev.free(a), dev.free(b)
