@@ -110,12 +110,12 @@ def op_examples():
         "matmul_q4_1": (ops.matmul(quant.FORMATS["Q4_1"], 5, 64, T, accumulate=True, bias=True), {"n_tokens": 3, "t0": 1}),
         "matmul_q4_k": (ops.matmul(quant.FORMATS["Q4_K"], 3, 256, T), {"n_tokens": 2, "t0": 0}),
         "matmul_q6_k": (ops.matmul(quant.FORMATS["Q6_K"], 3, 256, T), {"n_tokens": 2, "t0": 0}),
-        # prefill matmuls, dequantizing blocks of columns into scratch: partial token tiles at both ends (small
-        # enough for every backend configuration; test_cpu_prefill_matmul_matches_gguf covers long rows, several
-        # slices and the interleaved layouts)
+        # prefill matmuls, dequantizing blocks of columns into scratch: partial token tiles at both ends, the step's
+        # last T % 6 tokens a tile of their own (small enough for every backend configuration;
+        # test_cpu_prefill_matmul_matches_gguf covers long rows, several slices and the interleaved layouts)
         "prefill_matmul": (ops.prefill_matmul(quant.FORMATS["Q4_1"], 16, 32, 16, accumulate=True, bias=True),
                            {"n_tokens": 13, "t0": 1}),
-        # a tile of two row groups, a step of 3 tokens in tiles of one token
+        # a tile of two row groups, a step of 3 tokens in one tile
         "prefill_matmul_small_step": (ops.prefill_matmul(quant.FORMATS["Q8_0"], 32, 32, T), {"n_tokens": 3, "t0": 0}),
         # a chunk of columns [col0, col0 + chunk_cols): its sum added into y
         "prefill_matmul_chunk_cols": (ops.prefill_matmul(quant.FORMATS["Q4_1"], 16, 96, 8, accumulate=True,
@@ -150,7 +150,7 @@ def op_inputs(k):
 
 
 def test_prefill_matmul_refuses_rows_that_are_not_whole_groups():
-    """Its lanes are rows in groups of 16 (llama._gemm sends other matrices to the decode matmul)."""
+    """Its lanes are rows in groups of 16 (llama._prefill_matmul sends other matrices to the decode matmul)."""
     with pytest.raises(ir.IRError, match="not whole groups of 16"):
         ops.prefill_matmul(quant.FORMATS["F16"], 40, 32, 8)
 

@@ -142,8 +142,8 @@ def test_unsupported_format_is_named():
 def test_cpu_prefill_matmul_matches_gguf(cpu, name, packed):
     """The prefill matmul (blocks of columns dequantized into scratch, multiplied by every token) against gguf's
     dequantized weights times the input in numpy: each layout a CPU holds, three slices of rows (a tile of 64
-    each), more than one block of columns, bias, accumulate, a partial step, a whole one (whose last tile of tokens
-    runs past the step), and a chunk of columns."""
+    each), more than one block of columns, bias, accumulate, a partial step, a whole one (its last T % 6 tokens a
+    tile of their own), and a chunk of columns."""
     rows, cols, T = 192, 1024, 64
     rng = np.random.default_rng(13)
     w, ref = random_tensor(name, rows, cols, rng)
