@@ -258,8 +258,8 @@ class Llama:
                 "k": ("f32", T * kv), "v": ("f32", T * kv), "att": ("f32", T * q), "g": ("f32", T * c.ffn),
                 "u": ("f32", T * c.ffn), "h": ("f32", T * c.ffn), "logits": ("f32", T * c.vocab),
                 "scores": ("f32", T * c.n_head * self.n_pages * self.page),
-                # the prefill matmuls' scratch: blocks of a layer matrix, dequantized
-                "wdq": ("f32", max((ops.prefill_matmul(self.fmt(name, shape), *shape, T).buffers["wdq"].size
+                # the prefill matmuls' scratch: blocks of a layer matrix, dequantized (a column chunk's are no wider)
+                "wdq": ("f32", max((ops.prefill_scratch(self.fmt(name, shape), *shape)
                                     for name, (shape, as_f32) in self.weight_shapes(0).items()
                                     if not as_f32 and shape[0] % ROWS == 0), default=1)),
                 # a matmul's input as the dot4 layouts read it (ops.quantize_input)

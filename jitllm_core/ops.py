@@ -144,6 +144,18 @@ def gemm_block(fmt: Format, width: int) -> int:
                 if width % b == 0)
 
 
+def _prefill_tiles(fmt: Format, rows: int, width: int) -> tuple[int, int, int]:
+    """(row groups of a tile, columns of a block, parallel slices) of a prefill matmul over `width` columns."""
+    G = next(g for g in range(GEMM_GROUPS, 0, -1) if rows % (g * ROWS) == 0)
+    return G, gemm_block(fmt, width), min(GEMM_SLICES, rows // (G * ROWS))
+
+
+def prefill_scratch(fmt: Format, rows: int, width: int) -> int:
+    """f32 elements of a prefill matmul's `wdq` scratch: a block of a tile's rows per slice."""
+    G, blk, slices = _prefill_tiles(fmt, rows, width)
+    return slices * G * ROWS * blk
+
+
 @functools.cache
 def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=False, chunk_cols=0) -> ir.Kernel:
     """y[t, r] (+)= sum_c W[r, c] x[t, c] (+ b[r]) for t in [t0, n_tokens), W in layout fmt: a prefill step's matmul,
@@ -158,9 +170,8 @@ def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, 
     width = chunk_cols or cols
     if rows % ROWS:
         raise ir.IRError(f"prefill matmul {rows}x{cols}: {rows} rows are not whole groups of {ROWS}")
-    G = next(g for g in range(GEMM_GROUPS, 0, -1) if rows % (g * ROWS) == 0)
-    N, blk, tile_rows = min(T, GEMM_TOKENS), gemm_block(fmt, width), G * ROWS
-    slices = min(GEMM_SLICES, rows // tile_rows)
+    G, blk, slices = _prefill_tiles(fmt, rows, width)
+    N, tile_rows = min(T, GEMM_TOKENS), G * ROWS
     k = ir.Kernel(f"gemm_{fmt.name}_{rows}x{cols}_T{T}_{tile_rows}x{N}_b{blk}"
                   f"{f'_k{chunk_cols}' if chunk_cols else ''}{'_acc' if accumulate else ''}{'_bias' if bias else ''}")
     k.buffer("w", fmt.storage, rows * fmt.row_units(cols)), k.buffer("x", "f32", T * cols)
@@ -168,7 +179,7 @@ def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, 
     k.flops = lambda n_tokens: 2 * rows * width * n_tokens
     if bias:
         k.buffer("b", "f32", rows)
-    k.buffer("y", "f32", T * rows, True), k.buffer("wdq", "f32", slices * tile_rows * blk, True)
+    k.buffer("y", "f32", T * rows, True), k.buffer("wdq", "f32", prefill_scratch(fmt, rows, width), True)
     n, t0 = k.scalar("n_tokens"), k.scalar("t0")
     col0 = k.scalar("col0") if chunk_cols else 0
     # tiles of N tokens from the first wanted, then one of `tail` (T % N) tokens where the step reaches it: a full
