@@ -747,26 +747,23 @@ class KernelLowering:
             self.loop(self.b.add(start, main), self.b.add(start, ext), lambda i: self.block(s.body, {s.var: i}))
 
     def vector_store(self, st, venv, mask=None):
-        """A store in a vector body; with a lane mask, only the lanes whose mask bit is set store."""
-        self.forget(st.buf)
+        """A store in a vector body; with a lane mask, only the lanes whose mask bit is set store. What the body
+        evaluated from the stored buffer is forgotten after it (values before it are still right for it)."""
         parts, val = [self.vexpr(t, venv) for t in _index_terms(st.index)], self.vexpr(st.value, venv)
         dt = self.k.buffers[st.buf].dtype
+        v = self.to_storage(dt, self.to_vec(val, st.value.dtype))
         if all(p.kind != "v" for p in parts) and sum(p.stride for p in parts) == 1:
-            v = self.to_storage(dt, self.to_vec(val, st.value.dtype))
             ptr = self.element(st.buf, [p.val for p in parts])
             if mask is None:
                 self.b.store(v, ptr, align=1)
             else:
                 fn = self.declare(f"llvm.masked.store.{_mangle(v.type)}.p0", VOID, [v.type, PTR, I32, mask.type])
                 self.b.call(fn, [v, ptr, L.Constant(I32, 1), mask])
-            return
-        # any other index: one masked scatter (lanes in order, so a later lane's store wins, as in a loop)
-        W = self.W
-        v = self.to_storage(dt, self.to_vec(val, st.value.dtype))
-        mask = mask if mask is not None else L.Constant(L.VectorType(I1, W), [1] * W)
-        fn = self.declare(f"llvm.masked.scatter.{_mangle(v.type)}.v{W}p0", VOID,
-                          [v.type, L.VectorType(PTR, W), I32, mask.type])
-        self.b.call(fn, [v, self.lane_pointers(st.buf, self.vexpr(st.index, venv)), L.Constant(I32, 1), mask])
+        else:  # any other index: one masked scatter (lanes in order, so a later lane's store wins, as in a loop)
+            mask = mask if mask is not None else L.Constant(L.VectorType(I1, self.W), [1] * self.W)
+            fn = self.declare(f"llvm.masked.scatter.{_mangle(v.type)}.v{self.W}p0", VOID,
+                              [v.type, L.VectorType(PTR, self.W), I32, mask.type])
+            self.b.call(fn, [v, self.lane_pointers(st.buf, self.vexpr(st.index, venv)), L.Constant(I32, 1), mask])
         self.forget(st.buf)
 
     def forget(self, buf):
