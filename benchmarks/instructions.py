@@ -45,17 +45,21 @@ def main():
         print(f"{fmt.name:4} {rows} x {cols}: loop of {len(body)} instructions per {weights} weights, "
               f"{len(vector)} vector or prefetch")
         print("     " + counts(body))
-    # the prefill matmul's loops: a block's dequantization into scratch, and its register tile (a column each)
+    # the prefill matmul's loops: its register tiles (a column each; the step's last tokens a smaller tile), and
+    # the block's loop around them, most of it the dequantization of the block into scratch
     fmt = quant.packed_format(quant.get_format("Q4_K", 2048), 2048)
-    for body in loops(assembly(ops.prefill_matmul(fmt, 2048, 2048, 64))):
+    bodies = list(loops(assembly(ops.prefill_matmul(fmt, 2048, 2048, 64))))
+    for body in bodies:
         if body.count("vfmadd231ps") and "vaddps" not in body:  # the loops around it add its sums into y
-            print(f"prefill tile of {ops.GEMM_GROUPS * quant.ROWS} rows x {ops.GEMM_TOKENS} tokens: loop of "
-                  f"{len(body)} instructions per column")
+            print(f"prefill tile of {ops.GEMM_GROUPS * quant.ROWS} rows x {body.count('vbroadcastss')} tokens: loop "
+                  f"of {len(body)} instructions per column")
             print("     " + counts(body))
-        elif len(body) > 1000 and "vaddps" not in body:
-            print(f"prefill dequantization of {ops.GEMM_GROUPS * quant.ROWS} rows x {fmt.block} columns of "
-                  f"{fmt.name}: {len(body)} instructions")
-            print("     " + counts(body))
+    block = max(bodies, key=len)
+    print(f"prefill block of {ops.GEMM_GROUPS * quant.ROWS} rows x {ops.GEMM_BLOCK} columns of {fmt.name}: "
+          f"{len(block)} instructions, the tile loops above once each, the dequantization into scratch, the tiles' "
+          "sums into y")
+    print("     " + counts(block))
+
 
 if __name__ == "__main__":
     main()
