@@ -170,6 +170,19 @@ def vector_loops(n=50):
     return k
 
 
+def store_then_load(groups=4, n=16):
+    """An expression used again after a store to the buffer it reads: it reads the stored value (expressions are
+    evaluated where they are used; a backend that keeps values it loaded must forget them after the store)."""
+    k = ir.Kernel("store_then_load")
+    k.buffer("y", "f32", groups * n, True), k.buffer("z", "f32", groups * n, True)
+    with k.parallel("p", groups) as p:
+        with k.loop("l", n, "vector") as l:
+            old = k.load("y", p * n + l)
+            k.store("y", p * n + l, old + 1.0)
+            k.store("z", p * n + l, old * 2.0)
+    return k
+
+
 def locals_and_ifs(n=40):
     k = ir.Kernel("locals_ifs")
     k.buffer("x", "f32", n), k.buffer("o", "f32", n + 2, True), k.buffer("oi", "i32", 1, True)
@@ -239,6 +252,7 @@ CASES = {
     "reductions": (reductions, {"n": 13}),
     "long_reduction": (long_reduction, {}),
     "vector_loops": (vector_loops, {}),
+    "store_then_load": (store_then_load, {}),
     "locals_and_ifs": (locals_and_ifs, {}),
     "barriers": (barriers, {}),
     "atomics": (atomics, {}),
