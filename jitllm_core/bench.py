@@ -5,7 +5,7 @@ Method, per thread count: one jitllm Engine and one llama.cpp context with that 
 and the same prompt token ids; one warm-up run of each, then `repeats` runs interleaved A B A B; medians.
 Prompt tok/s = prompt tokens / prefill time; decode tok/s = decode steps / their time (greedy, EOS ignored).
 Read bandwidth: the engine's device summing a 256 MB f32 matrix with a kernel of its own, on the same threads
-(planner.read_bandwidth), the best of 5 before the runs and of 2 after each, in the same run. Decode's fraction
+(planner.bandwidth_meter), the best of 5 before the runs and of 2 after each, in the same run. Decode's fraction
 of it = bytes read per token x decode tok/s / bandwidth, where jitllm's bytes are what its engine counts
 (weights in their packed layout) and llama.cpp's are the GGUF file's tensors.
 """
@@ -22,7 +22,7 @@ from .cli import print_table
 from .engine import Engine
 from .errors import JitllmError
 from .gguf import GGUFFile
-from .planner import read_bandwidth
+from .planner import bandwidth_meter
 
 PROMPT_TEXT = ("The history of compilers begins with the first high-level languages, when programmers wrote "
                "machine code by hand and dreamed of letting the machine translate their formulas. ")
@@ -91,6 +91,22 @@ def open_llama_cpp(path, threads, n_ctx):
         return None
 
 
+def interleaved_runs(eng, peer, ids, decode_tokens, repeats, measure):
+    """{engine: [(prompt tok/s, decode tok/s) per run]} after a warm-up run of each, jitllm and the peer (or None)
+    in turn, and the read bandwidth: the best of `measure`'s before the runs and between them (one slow moment
+    of a shared machine must not lower the bandwidth that decode is measured against)."""
+    runs, bandwidth = {"jitllm": [], "llama.cpp": []}, measure(5)
+    for r in range(repeats + 1):  # run 0 is the warm-up
+        measured = {"jitllm": jitllm_once(eng, ids, decode_tokens)}
+        if peer:
+            measured["llama.cpp"] = peer.once(ids, decode_tokens)
+        if r:
+            for name, m in measured.items():
+                runs[name].append(m)
+        bandwidth = max(bandwidth, measure(2))
+    return runs, bandwidth
+
+
 def run_bench(model=None, devices=None, kv_dtype="f16", threads=(1, 2), prompt_tokens=37, decode_tokens=64,
               repeats=5, llama_cpp=True, out=None, activations="f32") -> list[dict]:
     """Measure, print the table on `out` (stdout) and return one dict per thread count (tok/s are medians)."""
@@ -103,24 +119,13 @@ def run_bench(model=None, devices=None, kv_dtype="f16", threads=(1, 2), prompt_t
         eng = Engine(model=model, devices=devices or ["cpu"], threads=n, kv_dtype=kv_dtype, activations=activations)
         peer = None
         try:
-            dev = next(iter(eng.devices.values()))
-            bandwidth = read_bandwidth(dev, rows=16384, runs=5)
             model_path = eng.model_path
             ids = prompt_ids(eng.tokenizer, prompt_tokens)
             if llama_cpp:
                 peer = open_llama_cpp(model_path, n, prompt_tokens + decode_tokens + 16)
                 llama_cpp = peer is not None  # say why only once
-            runs = {"jitllm": [], "llama.cpp": []}
-            for r in range(repeats + 1):  # run 0 is the warm-up
-                measured = {"jitllm": jitllm_once(eng, ids, decode_tokens)}
-                if peer:
-                    measured["llama.cpp"] = peer.once(ids, decode_tokens)
-                if r:
-                    for name, m in measured.items():
-                        runs[name].append(m)
-                # again between runs, the best kept: one slow moment of a shared machine must not lower the
-                # bandwidth that decode is measured against
-                bandwidth = max(bandwidth, read_bandwidth(dev, rows=16384, runs=2))
+            with bandwidth_meter(next(iter(eng.devices.values())), rows=16384) as measure:
+                runs, bandwidth = interleaved_runs(eng, peer, ids, decode_tokens, repeats, measure)
             file_bytes = gguf_bytes_per_token(model_path) if os.path.isfile(model_path) else None
             bytes_per_token = {"jitllm": eng.stats.get("bytes_per_token") or file_bytes, "llama.cpp": file_bytes}
         finally:

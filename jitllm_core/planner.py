@@ -6,6 +6,7 @@ memory (llama.cpp's split), which is the cost model's "host" rest; the planner o
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -26,9 +27,11 @@ def _measured(key, fn):
     return value
 
 
-def read_bandwidth(dev, rows=4096, runs=3):
-    """STREAM-style read bandwidth of a device's memory, measured with a kernel of its own: every row of a
-    rows x 4096 f32 matrix (64 MB by default) summed, rows spread over the device's threads or workgroups."""
+@contextlib.contextmanager
+def bandwidth_meter(dev, rows=4096):
+    """A function of `runs` that measures the STREAM-style read bandwidth of a device's memory (the best of the
+    runs), with a kernel of its own: every row of a rows x 4096 f32 matrix (64 MB by default) summed, rows spread
+    over the device's threads or workgroups. The matrix is uploaded once and freed on exit."""
     cols = 4096
     k = ir.Kernel(f"read_bandwidth_{rows}x{cols}")
     k.buffer("x", "f32", rows * cols), k.buffer("y", "f32", rows, True)
@@ -39,10 +42,16 @@ def read_bandwidth(dev, rows=4096, runs=3):
         dev.upload(x, np.ones(rows * cols, np.float32))
         prog = dev.program([Launch(k.finish(), {"x": x, "y": y})])
         prog.run({})
-        return rows * cols * 4 / min(_timed(lambda: prog.run({})) for _ in range(runs))
+        yield lambda runs: rows * cols * 4 / min(_timed(lambda: prog.run({})) for _ in range(runs))
     finally:
         dev.free(x)
         dev.free(y)
+
+
+def read_bandwidth(dev, rows=4096, runs=3):
+    """The best of `runs` measurements of `bandwidth_meter`."""
+    with bandwidth_meter(dev, rows) as measure:
+        return measure(runs)
 
 
 def device_bandwidth(dev):
