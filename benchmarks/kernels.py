@@ -11,6 +11,7 @@
 """
 import argparse
 import ctypes
+import threading
 import time
 
 import llvmlite.binding as llvm
@@ -101,11 +102,13 @@ def prefill(dev, rng, T=64, n=64):
     print(f"\nprefill matmul (dequantize blocks into scratch, multiply by every token), {n} tokens")
     for name, rows, cols in PREFILL:
         fmt, w = packed_tensor(name, rows, cols, rng)
-        wb, xb, yb = upload(dev, w), upload(dev, rng.standard_normal(T * cols).astype(np.float32)), dev.alloc(T * rows * 4)
+        x = rng.standard_normal(T * cols).astype(np.float32)
+        wb, xb, yb = upload(dev, w), upload(dev, x), dev.alloc(T * rows * 4)
         launches, values, wdq = [], {"n_tokens": n, "t0": 0}, []
         for k, at in llama.prefill_matmuls(fmt, rows, cols, T):
             wdq.append(dev.alloc(k.buffers["wdq"].size * 4))
-            launches.append(Launch(k, {"w": wb, "x": xb, "y": yb, "wdq": wdq[-1]}, {s: f"{s}_{v}" for s, v in at.items()}))
+            names = {s: f"{s}_{v}" for s, v in at.items()}
+            launches.append(Launch(k, {"w": wb, "x": xb, "y": yb, "wdq": wdq[-1]}, names))
             values.update({f"{s}_{v}": v for s, v in at.items()})
         t = seconds(dev.program(launches), values, 5)
         print(f"{fmt.name:4} {rows:5d} x {cols:5d}  {t * 1e3:6.2f} ms  {2 * rows * cols * n / t / 1e9:5.1f} GFLOP/s")
@@ -113,9 +116,10 @@ def prefill(dev, rng, T=64, n=64):
             dev.free(b)
 
 
-def fma_peak(chains=16, iterations=20_000_000):
-    """GFLOP/s of one thread running nothing but independent 16-lane f32 multiply-adds (a bare LLVM loop of
-    `chains` accumulators): what this core's vector units can do, the bound for any f32 gemm."""
+def fma_peak(threads=1, chains=16, iterations=20_000_000):
+    """GFLOP/s of each of 5 runs of each of `threads` threads running at once nothing but independent 16-lane f32
+    multiply-adds (a bare LLVM loop of `chains` accumulators): what the cores' vector units can do, the bound for
+    any f32 gemm (the cores of a shared machine need not run at one speed)."""
     v = "<16 x float>"
     body = "".join(f"  %a{i} = phi {v} [splat (float {i}.0), %entry], [%b{i}, %loop]\n" for i in range(chains)) + \
         "".join(f"  %b{i} = call {v} @llvm.fma.v16f32({v} %a{i}, {v} splat (float 0.5), {v} splat (float 0.25))\n"
@@ -131,8 +135,16 @@ def fma_peak(chains=16, iterations=20_000_000):
     engine = llvm.create_mcjit_compiler(mod, runtime.target_machine())
     engine.finalize_object()
     peak = ctypes.CFUNCTYPE(ctypes.c_float, ctypes.c_int64)(engine.get_function_address("peak"))
-    best = min(_timed(lambda: peak(iterations)) for _ in range(5))
-    return chains * iterations * 32 / best / 1e9
+    rates = [[] for _ in range(threads)]
+
+    def run(t):  # the ctypes call releases the GIL: the threads run the loop at once, 5 times
+        rates[t] = [chains * iterations * 32 / _timed(lambda: peak(iterations)) / 1e9 for _ in range(5)]
+    workers = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return rates
 
 
 def _timed(fn):
@@ -142,7 +154,9 @@ def _timed(fn):
 
 
 def ceiling(dev, rng, T=64):
-    print(f"\nf32 multiply-add peak of one thread (independent chains, no loads): {fma_peak():.1f} GFLOP/s")
+    peaks = fma_peak(dev.threads)
+    print(f"\nf32 multiply-add peak of {len(peaks)} thread(s) at once (independent chains, no loads), slowest and "
+          "fastest of 5 runs: " + " / ".join(f"{min(r):.1f}-{max(r):.1f}" for r in peaks) + " GFLOP/s")
     print("prefill matmul of 64 rows x 2,048 columns of Q4_K (from L2), 64 tokens (best of 15)")
     fmt, w = packed_tensor("Q4_K", 64, 2048, rng)
     k = ops.prefill_matmul(fmt, 64, 2048, T)
