@@ -363,7 +363,7 @@ def cmd_bench(args) -> int:
             eng = Engine(model=args.model, devices=args.device, threads=threads, kv_dtype=args.kv_dtype,
                          activations=args.activations)
             for tokens, what in ((1, "decode step"), (64, "prefill step of 64 tokens")):
-                print(f"\nprofile: {what}, {threads} thread(s), one launch at a time")
+                print(f"\nprofile: {what}, {threads} thread(s)")
                 print_profile(*profile_decode(eng, step_tokens=tokens))
             eng.close()
     return 0

@@ -126,6 +126,11 @@ class Device:
         """Compile (cached) and bind launches into a runnable whole-step program."""
         raise NotImplementedError
 
+    def timed_program(self, launches: list[Launch]) -> Program | None:
+        """Optional (profiles): a program whose run(values) returns each launch's seconds, the launches run in order
+        as in a step, each followed by a barrier. None: the profile times each launch in a program of its own."""
+        return None
+
     def synchronize(self):
         pass
 

@@ -1,6 +1,11 @@
-"""Per-kernel profile of one step (a decode step, or a prefill step of several tokens): each launch is run on its
-own and timed, so the time of every kernel, its weight bytes and GB/s, and a prefill matmul's GFLOP/s are visible
-next to the whole-step time (the difference is dispatch overhead)."""
+"""Per-kernel profile of one step (a decode step, or a prefill step of several tokens): the time of every kernel,
+its weight bytes and GB/s, and a prefill matmul's GFLOP/s, next to the whole-step time.
+
+Where the device can time launches inside one program (Device.timed_program), the step's launches run in order
+as in the step, with a barrier after each: weights come from memory as they do in a step, and the time outside
+kernels is what the barriers the step would not have cost (independent launches, such as the q, k and v
+projections, run back to back in a step). Elsewhere each launch runs in a program of its own, repeated, so that
+a launch's weights may come from cache and the difference to the whole step is dispatch overhead."""
 from __future__ import annotations
 
 import time
@@ -9,6 +14,9 @@ import numpy as np
 
 from .ir import STORAGE_DTYPES
 from .plugin import Launch
+
+IN_SEQUENCE = "launches timed in sequence, a barrier after each"
+ON_ITS_OWN = "each launch timed on its own, repeated (its weights may come from cache)"
 
 
 def _median_time(fn, repeats):
@@ -22,7 +30,8 @@ def _median_time(fn, repeats):
 
 def profile_decode(eng, prompt_tokens=32, repeats=5, step_tokens=1):
     """Rows of (unit, kernel, seconds, bytes read from weights, flops where the kernel counts them) for one step
-    of step_tokens tokens (1: a decode step) at position prompt_tokens, plus the whole step's time."""
+    of step_tokens tokens (1: a decode step) at position prompt_tokens, the whole step's time, and how the
+    launches were timed (IN_SEQUENCE or ON_ITS_OWN: the last device's way, where several devices differ)."""
     seq = eng.new_sequence()
     prefill = step_tokens > 1
     try:
@@ -34,24 +43,39 @@ def profile_decode(eng, prompt_tokens=32, repeats=5, step_tokens=1):
             rows = []
             for seg in eng.segments:
                 dev = eng.devices[seg.device]
-                for u in seg.units:
-                    slot = seg.slot if seg.streamed is not None else None
-                    for ln in eng._bind(u, seg.device, slot=slot, prefill=prefill):
-                        prog = dev.program([Launch(ln.kernel, ln.buffers, ln.scalars)])
-                        prog.run(values)
-                        w = ln.kernel.buffers.get("w")  # the weights (or their dequantized copy) it reads
-                        read = ln.kernel.w_read(step_tokens) if ln.kernel.w_read else w and w.size
-                        nbytes = read * STORAGE_DTYPES[w.dtype] if w else 0
-                        flops = ln.kernel.flops(step_tokens) if ln.kernel.flops else 0
-                        rows.append((u, ln.kernel.name, _median_time(lambda: prog.run(values), repeats), nbytes, flops))
+                slot = seg.slot if seg.streamed is not None else None
+                bound = [(u, ln) for u in seg.units for ln in eng._bind(u, seg.device, slot=slot, prefill=prefill)]
+                seconds, how = _launch_seconds(dev, [Launch(ln.kernel, ln.buffers, ln.scalars) for _, ln in bound],
+                                          values, repeats)
+                for (u, ln), s in zip(bound, seconds):
+                    w = ln.kernel.buffers.get("w")  # the weights (or their dequantized copy) it reads
+                    read = ln.kernel.w_read(step_tokens) if ln.kernel.w_read else w and w.size
+                    nbytes = read * STORAGE_DTYPES[w.dtype] if w else 0
+                    flops = ln.kernel.flops(step_tokens) if ln.kernel.flops else 0
+                    rows.append((u, ln.kernel.name, s, nbytes, flops))
             whole = _median_time(lambda: [(seg.prefill if prefill else seg.program).run(values)
                                           for seg in eng.segments], repeats)
-        return rows, whole
+        return rows, whole, how
     finally:
         eng.free_sequence(seq)
 
 
-def print_profile(rows, whole, file=None):
+def _launch_seconds(dev, launches, values, repeats):
+    """Median seconds of each launch, and how they were timed: in one timed program where the device has them,
+    else each on its own."""
+    prog = dev.timed_program(launches)
+    if prog is not None:
+        prog.run(values)
+        return list(np.median([prog.run(values) for _ in range(repeats)], axis=0)), IN_SEQUENCE
+    out = []
+    for ln in launches:
+        one = dev.program([ln])
+        one.run(values)
+        out.append(_median_time(lambda: one.run(values), repeats))
+    return out, ON_ITS_OWN
+
+
+def print_profile(rows, whole, how, file=None):
     by_kernel = {}
     for u, name, s, b, f in rows:
         kind = "_".join(name.split("_")[:3]) if name.startswith(("matmul", "gemm")) else name.split("_")[0]
@@ -66,4 +90,4 @@ def print_profile(rows, whole, file=None):
         print(f"{kind:32} {n:5d} {s * 1e3:8.3f} {s / total:6.1%} {b / 1e6:8.2f} {b / s / 1e9 if b else 0:7.1f}"
               f" {f / s / 1e9 if f else 0:8.1f}", file=file)
     print(f"sum of kernels {total * 1e3:.3f} ms; whole step {whole * 1e3:.3f} ms; "
-          f"outside kernels {max(0.0, whole - total) * 1e3:.3f} ms", file=file)
+          f"outside kernels {max(0.0, whole - total) * 1e3:.3f} ms ({how})", file=file)

@@ -178,13 +178,13 @@ def test_token_ids_outside_the_vocabulary_are_refused(engines):
 
 
 def test_profile_times_every_launch_and_counts_weight_bytes(engines):
-    """`jitllm bench --profile`'s numbers: one row per launch of the step, each timed, the bytes of the
-    matmuls' weights equal to the packed tensors the engine holds, the embedding's one row."""
-    from jitllm_core.profile import profile_decode
+    """`jitllm bench --profile`'s numbers: one row per launch of the step, each timed (in sequence, on a CPU), the
+    bytes of the matmuls' weights equal to the packed tensors the engine holds, the embedding's one row."""
+    from jitllm_core.profile import IN_SEQUENCE, profile_decode
     eng = engines["f16"]
-    rows, whole = profile_decode(eng, prompt_tokens=4, repeats=1)
+    rows, whole, how = profile_decode(eng, prompt_tokens=4, repeats=1)
     launches = sum(len(eng._bind(u, seg.device)) for seg in eng.segments for u in seg.units)
-    assert len(rows) == launches and whole > 0 and all(r[2] > 0 for r in rows)
+    assert len(rows) == launches and whole > 0 and all(r[2] > 0 for r in rows) and how == IN_SEQUENCE
     mm_bytes = sum(b for _, name, _, b, _ in rows if name.startswith("matmul"))
     want = sum(eng.model.tensor_bytes(t, u) for u in eng.model.units for t, (_, as_f32) in
                eng.model.weight_shapes(u).items() if not as_f32 and u != "embed")

@@ -1,5 +1,7 @@
 """Several threads on one CPU device: the same results as one thread, bit for bit (each parallel iteration is
 computed whole by one thread), including the barriers the runtime leaves out between independent launches."""
+import time
+
 import numpy as np
 import pytest
 
@@ -59,3 +61,26 @@ def test_claimed_iterations_cover_each_run_once(two_threads):
         got = dev.download(buf).view(np.int32)
         assert np.array_equal(got, sum((np.arange(4096) < n).astype(np.int32) for n in ns))
     dev.free(a), dev.free(b)
+
+
+def test_timed_program_times_each_launch_in_order(two_threads):
+    """A timed program (the profile's): one time per launch, each inside the run's own time, a launch of 4M
+    elements taking longer than one of 64, and the results those of the untimed program."""
+    from jitllm_core import ir
+    from jitllm_core.plugin import Launch
+    k = ir.Kernel("scale_by_two")
+    k.buffer("x", "f32", 1 << 22), k.buffer("y", "f32", 1 << 22, True)
+    with k.parallel("i", k.scalar("n")) as i:
+        k.store("y", i, k.load("x", i) * 2.0)
+    k = k.finish()
+    dev = two_threads
+    x, y = dev.alloc(4 << 22), dev.alloc(4 << 22)
+    dev.upload(x, np.arange(1 << 22, dtype=np.float32))
+    prog = dev.timed_program([Launch(k, {"x": x, "y": y}, {"n": "small"}), Launch(k, {"x": x, "y": y}, {"n": "big"})])
+    for _ in range(3):
+        t = time.perf_counter()
+        small, big = prog.run({"small": 64, "big": 1 << 22})
+        wall = time.perf_counter() - t
+        assert 0 < small < big and small + big <= wall
+    assert np.array_equal(dev.download(y).view(np.float32), np.arange(1 << 22, dtype=np.float32) * 2)
+    dev.free(x), dev.free(y)

@@ -44,8 +44,28 @@ CLAIMS = 4  # chunks per thread of a parallel loop's claimed half
 CLAIM_STRIDE = 16  # i32s between two parallel loops' claim counters (a cache line each)
 PREFETCHED = "prefetched"  # memo entry: the addresses a body has prefetched
 
-BARRIER_IR = """
+# what every program links in: the barrier, and the timestamp a timed program's thread 0 takes after each launch
+SUPPORT_IR = """
 declare i32 @sched_yield()
+declare i32 @clock_gettime(i32, ptr)
+define void @jl_stamp(ptr %ts, i32 %i, i32 %tid) noinline {
+entry:
+  %first = icmp eq i32 %tid, 0
+  br i1 %first, label %stamp, label %done
+stamp:
+  %spec = alloca [2 x i64], align 8
+  %r = call i32 @clock_gettime(i32 1, ptr %spec)
+  %nsp = getelementptr i64, ptr %spec, i32 1
+  %sec = load i64, ptr %spec, align 8
+  %ns = load i64, ptr %nsp, align 8
+  %sns = mul i64 %sec, 1000000000
+  %t = add i64 %sns, %ns
+  %at = getelementptr i64, ptr %ts, i32 %i
+  store i64 %t, ptr %at, align 8
+  br label %done
+done:
+  ret void
+}
 define void @jl_barrier(ptr %bar, i32 %nth) noinline {
 entry:
   %single = icmp sle i32 %nth, 1
@@ -1106,17 +1126,19 @@ def claim_counters(kernel) -> int:
     return sum(isinstance(s, ir.Loop) and s.kind == "parallel" for s in kernel.body)
 
 
-def program_module(launch_slots, kernels, width, triple, isa=frozenset()) -> L.Module:
+def program_module(launch_slots, kernels, width, triple, isa=frozenset(), stamps=None) -> L.Module:
     """One module: every distinct kernel, the barrier, and `step` that calls the launches in order.
 
     launch_slots: list of (kernel key, [buffer slot per buffer param], [scalar slot per scalar param],
     barrier after this launch?). The last launch is always followed by a barrier. Each launch's parallel loops
     claim work from counters of their own (CLAIM_STRIDE i32s apart, all of them zero when a step starts), which
-    thread 0 zeroes again once the step's final barrier is passed.
+    thread 0 zeroes again once the step's final barrier is passed. stamps: the buffer slot of a timed program's
+    timestamps (i64 ns; [0] when the step starts, [i + 1] after launch i's barrier), else None.
     """
     m = L.Module(name="jitllm_program")
     m.triple = triple
-    barrier = L.Function(m, L.FunctionType(VOID, [PTR, I32]), name="jl_barrier")  # defined by BARRIER_IR
+    barrier = L.Function(m, L.FunctionType(VOID, [PTR, I32]), name="jl_barrier")  # defined by SUPPORT_IR
+    stamp = L.Function(m, L.FunctionType(VOID, [PTR, I32, I32]), name="jl_stamp")
     fns, claims = {}, {}
     for k in kernels:
         if k.key() not in fns:
@@ -1133,6 +1155,9 @@ def program_module(launch_slots, kernels, width, triple, isa=frozenset()) -> L.M
         part.attributes.add("noinline")
         bufs, scal, tid, nth, bar, counters = part.args
         b = L.IRBuilder(part.append_basic_block("entry"))
+        ts = None if stamps is None else b.load(b.gep(bufs, [L.Constant(I32, stamps)], source_etype=PTR), typ=PTR)
+        if ts is not None and p0 == 0:
+            b.call(stamp, [ts, L.Constant(I32, 0), tid])
         for i, (key, bslots, sslots, sync) in enumerate(launch_slots[p0:p0 + STEP_PART], p0):
             args = [b.load(b.gep(bufs, [L.Constant(I32, s)], source_etype=PTR), typ=PTR) for s in bslots]
             args += [b.load(b.gep(scal, [L.Constant(I32, s)], source_etype=I32), typ=I32) for s in sslots]
@@ -1141,6 +1166,8 @@ def program_module(launch_slots, kernels, width, triple, isa=frozenset()) -> L.M
             counter += claims[key]
             if sync or i == len(launch_slots) - 1:
                 b.call(barrier, [bar, nth])
+            if ts is not None:
+                b.call(stamp, [ts, L.Constant(I32, i + 1), tid])
         b.ret_void()
         sb.call(part, list(step.args))
     tid, counters = step.args[2], step.args[5]

@@ -71,7 +71,7 @@ class Compiled:
         if not self.step:  # not cached (or unreadable): lower and compile
             self.cached = False
             mod = llvm.parse_assembly(text_fn())
-            mod.link_in(llvm.parse_assembly(lower.BARRIER_IR))
+            mod.link_in(llvm.parse_assembly(lower.SUPPORT_IR))
             mod.verify()
             optimize(mod)
             self.step = self._engine(mod)
@@ -131,21 +131,26 @@ class CpuBuffer(Buffer):
 
 
 class CpuProgram(Program):
-    def __init__(self, device, launches):
+    """timed: a barrier after every launch, and thread 0 notes the time after each (run returns the launches'
+    seconds), so that a profile sees each launch as it runs in the step, weights coming from memory."""
+
+    def __init__(self, device, launches, timed=False):
         self.device = device
         bslot, sslot, slots = {}, {}, []
         for ln in launches:
             bufs = [ln.buffer(p, device) for p in ln.kernel.buffers]
             bs = [bslot.setdefault(id(b), (len(bslot), b))[0] for b in bufs]
             ss = [sslot.setdefault(ln.scalar_name(s), len(sslot)) for s in ln.kernel.scalars]
-            slots.append([ln.kernel.key(), bs, ss, False])
+            slots.append([ln.kernel.key(), bs, ss, timed])
         for i in barriers_needed(launches):
             slots[i][3] = True
+        self.stamps = CpuBuffer(device, 8 * (len(launches) + 1)) if timed else None
+        stamps = bslot.setdefault(id(self.stamps), (len(bslot), self.stamps))[0] if timed else None
         kernels = [ln.kernel for ln in launches]
-        key = digest(LOWERING, slots, simd_width(), sorted(isa()), llvm.get_process_triple(), llvm.get_host_cpu_name(),
-                     llvm.get_host_cpu_features().flatten(), llvmlite.__version__)
+        key = digest(LOWERING, slots, stamps, simd_width(), sorted(isa()), llvm.get_process_triple(),
+                     llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten(), llvmlite.__version__)
         self.compiled = device.compile(key, lambda: str(lower.program_module(slots, kernels, simd_width(),
-                                                                             llvm.get_process_triple(), isa())))
+                                                                             llvm.get_process_triple(), isa(), stamps)))
         self.scalar_slots = sslot
         self.keep = [b for _, b in bslot.values()]
         self.bufs = (ctypes.c_void_p * max(1, len(bslot)))(*[b.addr for _, b in sorted(bslot.values(), key=lambda t: t[0])])
@@ -157,6 +162,8 @@ class CpuProgram(Program):
             self.scal[i] = int(values[name])
         self.device.workers.run(self.compiled.step, ctypes.addressof(self.bufs), ctypes.addressof(self.scal),
                                 self.counters.addr)
+        if self.stamps is not None:
+            return list(np.diff(self.stamps.arr.view(np.int64)) * 1e-9)
 
 
 def barriers_needed(launches):
@@ -220,6 +227,9 @@ class CpuDevice(Device):
 
     def program(self, launches):
         return CpuProgram(self, launches)
+
+    def timed_program(self, launches):
+        return CpuProgram(self, launches, timed=True)
 
     def compile(self, key, text_fn):
         if key in self.compiled:
