@@ -215,6 +215,12 @@ def _word(k, buf, i):
     return _u16(k, buf, i) | (_u16(k, buf, i + 2) << 16)
 
 
+def _byte_of(piece, n, j):
+    """(word, byte in it) of sub-block piece * n + j's byte in a field of a byte per sub-block, 4 to a word: the
+    byte a plain number (n, the sub-blocks of a piece, a multiple of 4)"""
+    return piece * (n // 4) + j // 4, j % 4
+
+
 def _digit_dot(sums):
     """sum q * integer over a sub-block, from its sums per digit (each exact in i32: at most 32 4-bit or 16 6-bit
     q times a digit; the low two's sum stays in i32 too)."""
@@ -271,15 +277,19 @@ class R4(Affine4):
 
 class R4K(Affine4):
     """Q4_K's super-blocks of 256: [d f16, dmin f16][8 scales u8][8 mins u8][8 x 4 words of nibbles] per row;
-    sub-block s's value = d * scale_s * q - dmin * min_s. Pieces: sub-blocks 0-3, 4-7."""
+    sub-block s's value = d * scale_s * q - dmin * min_s. Pieces: sub-blocks 0-3, 4-7 (in 4 pieces no faster)."""
     pieces = 2
 
     def subs(self, k, buf, at, piece):
         dm = _word(k, buf, at(0, 4))
         d, dmin = ir.f16bits(dm), ir.f16bits(dm >> 16)
-        byte = lambda off, j: F((_word(k, buf, at(off + 4 * piece, 4)) >> 8 * j) & 255)
-        return [(d * byte(4, j), -(dmin * byte(12, j)), 20 + 64 * piece + 16 * j, 128 * piece + 32 * j)
-                for j in range(4)]
+        n = 8 // self.pieces
+
+        def byte(off, j):
+            w, b = _byte_of(piece, n, j)
+            return F((_word(k, buf, at(off + 4 * w, 4)) >> 8 * b) & 255)
+        return [(d * byte(4, j), -(dmin * byte(12, j)), 20 + 16 * (piece * n + j), 32 * (piece * n + j))
+                for j in range(n)]
 
 
 class R8(Interleaved):
@@ -297,9 +307,10 @@ class R6(Interleaved):
     words of sub-block s (16 elements, scale s) hold its 6-bit q: byte j of word k (k = 0, 1, 2) q of element
     4 k + j in its low 6 bits, and bits 2 k, 2 k + 1 of element 12 + j's q in its top 2; value = d * scale_s *
     (q - 32). A dot reads 3 quads of q with one mask each, the fourth from the words' tops, and subtracts 32
-    times the input's sums. Pieces: the block's halves."""
+    times the input's sums. Pieces: the block's quarters (in halves, one thread's decode streamed ~5 % slower:
+    `benchmarks/kernels.py --only decode`)."""
     digits = True
-    pieces = 2
+    pieces = 4
 
     def quads(self, k, buf, at, s):
         """the 4 words of q of sub-block s (an expression), byte j of word i: element 4 i + j"""
@@ -311,14 +322,14 @@ class R6(Interleaved):
         """scale of sub-block 4 s4 + j"""
         return F((_word(k, buf, at(4 + 4 * s4, 4)) << 24 - 8 * j) >> 24)
 
-    def block_dot(self, k, buf, at, inp, half):
-        subs = []
-        for j in range(8):
-            s, e0 = half * 8 + j, half * 128 + 16 * j
+    def block_dot(self, k, buf, at, inp, piece):
+        subs, n = [], 16 // self.pieces
+        for j in range(n):
+            s, e0 = piece * n + j, piece * 16 * n + 16 * j
             q = self.quads(k, buf, at, s)
             sums = [sum((ir.dot4(q[i], inp.word(d, e0 + 4 * i)) for i in range(1, 4)), ir.dot4(q[0], inp.word(d, e0)))
                     for d in range(inp.digits)]
-            subs.append(self.scale(k, buf, at, half * 2 + j // 4, j % 4)
+            subs.append(self.scale(k, buf, at, *_byte_of(piece, n, j))
                         * (_digit_dot(sums) * inp.scale(e0) - 32.0 * inp.sum(e0)))
         return ir.f16bits(_word(k, buf, at(0, 4))) * sum(subs[1:], subs[0])
 
