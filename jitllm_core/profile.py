@@ -2,10 +2,10 @@
 its weight bytes and GB/s, and a prefill matmul's GFLOP/s, next to the whole-step time.
 
 Where the device can time launches inside one program (Device.timed_program), the step's launches run in order
-as in the step, with a barrier after each: weights come from memory as they do in a step, and the time outside
-kernels is what the barriers the step would not have cost (independent launches, such as the q, k and v
-projections, run back to back in a step). Elsewhere each launch runs in a program of its own, repeated, so that
-a launch's weights may come from cache and the difference to the whole step is dispatch overhead."""
+as in the step, with a barrier after each: weights come from memory as they do in a step, and the kernels' sum
+can exceed the whole step by the barriers the step leaves out (independent launches, such as the q, k and v
+projections, run back to back there). Elsewhere each launch runs in a program of its own, repeated, so that a
+launch's weights may come from cache and the difference to the whole step is dispatch overhead."""
 from __future__ import annotations
 
 import time

@@ -192,7 +192,7 @@ def test_profile_times_every_launch_and_counts_weight_bytes(engines):
     embed_bytes, = [b for _, name, _, b, _ in rows if name.startswith("embed")]  # one row of the table per token
     assert embed_bytes * eng.model.cfg.vocab == eng.model.tensor_bytes("token_embd.weight", "embed")
     # a prefill step's matmuls count 2 flops per weight per token (the LM head, for the last token, is a matvec)
-    rows, _ = profile_decode(eng, prompt_tokens=4, repeats=1, step_tokens=8)
+    rows, _, _ = profile_decode(eng, prompt_tokens=4, repeats=1, step_tokens=8)
     weights = sum(np.prod(shape) for u in eng.model.units if u not in ("embed", "head")
                   for shape, as_f32 in eng.model.weight_shapes(u).values() if not as_f32)
     assert sum(f for _, name, _, _, f in rows if name.startswith("gemm")) == 2 * 8 * weights

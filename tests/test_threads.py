@@ -65,7 +65,7 @@ def test_claimed_iterations_cover_each_run_once(two_threads):
 
 def test_timed_program_times_each_launch_in_order(two_threads):
     """A timed program (the profile's): one time per launch, each inside the run's own time, a launch of 4M
-    elements taking longer than one of 64, and the results those of the untimed program."""
+    elements taking longer than one of 64, and the results right."""
     from jitllm_core import ir
     from jitllm_core.plugin import Launch
     k = ir.Kernel("scale_by_two")

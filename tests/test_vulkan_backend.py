@@ -158,6 +158,27 @@ def test_program_reruns_with_new_scalars(dev):
             dev.free(buf)
 
 
+def test_profile_times_launches_on_their_own(dev):
+    """A device without timed programs: the profile times each launch in a program of its own, and says so."""
+    from jitllm_core.profile import ON_ITS_OWN, _launch_seconds
+
+    def build(k):
+        k.buffer("src", "f32", 64), k.buffer("dst", "f32", 64, True)
+        with k.parallel("i", 64) as i:
+            k.store("dst", i, k.load("src", i) + 1.0)
+
+    k = _kernel("plus_one", build)
+    a, b = dev.alloc(256), dev.alloc(256)
+    try:
+        dev.upload(a, np.zeros(64, np.float32))
+        assert dev.timed_program([]) is None
+        seconds, how = _launch_seconds(dev, [Launch(k, {"src": a, "dst": b}), Launch(k, {"src": b, "dst": a})], {}, 2)
+        assert how == ON_ITS_OWN and len(seconds) == 2 and all(s > 0 for s in seconds)
+        assert np.array_equal(dev.download(a).view(np.float32), np.full(64, 2, np.float32))
+    finally:
+        dev.free(a), dev.free(b)
+
+
 @big_buffers
 def test_grid_stride_beyond_max_groups(dev):
     """More iterations than one dispatch can have workgroups: the shaders stride over the rest."""
