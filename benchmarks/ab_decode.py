@@ -1,0 +1,50 @@
+"""Decode tok/s of variants of the IR's builders alternated in one process (A B A B ...), so that the machine's
+drift between runs (~30 % here) falls on all variants alike. A variant sets one class or module attribute of
+jitllm_core before its engine is built (the op builders' caches are cleared, so its kernels are built anew;
+the CPU compiles them under keys of their own, as the IR differs):
+
+    python benchmarks/ab_decode.py -m MODEL --threads 2 --set quant.R6.pieces 2 4 [--rounds 7]
+"""
+import argparse
+import ast
+import functools
+import importlib
+
+import numpy as np
+
+import jitllm_core as jl
+from jitllm_core import bench, ops
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--set", nargs="+", required=True, metavar=("MODULE.ATTR", "VALUE"),
+                    help="an attribute under jitllm_core (module.name or module.Class.name) and its values")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--decode-tokens", type=int, default=24)
+    args = ap.parse_args()
+    path, values = args.set[0].split("."), [ast.literal_eval(v) for v in args.set[1:]]
+    owner = functools.reduce(getattr, path[1:-1], importlib.import_module(f"jitllm_core.{path[0]}"))
+    engines = {}
+    for v in values:
+        setattr(owner, path[-1], v)
+        for f in vars(ops).values():
+            if hasattr(f, "cache_clear"):
+                f.cache_clear()
+        eng = jl.Engine(args.model, devices=["cpu"], threads=args.threads, max_context=512)
+        ids = bench.prompt_ids(eng.tokenizer, 32)
+        bench.jitllm_once(eng, ids, 2)  # warm-up
+        engines[v] = eng
+    runs = {v: [] for v in values}
+    for _ in range(args.rounds):
+        for v, eng in engines.items():
+            runs[v].append(bench.jitllm_once(eng, ids, args.decode_tokens)[1])
+    for v, r in runs.items():
+        print(f"{args.set[0]} = {v!r}: {args.threads} thread(s), decode tok/s median {np.median(r):.2f} "
+              f"(runs {', '.join(f'{x:.2f}' for x in r)})")
+
+
+if __name__ == "__main__":
+    main()
