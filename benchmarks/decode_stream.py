@@ -27,9 +27,10 @@ def main():
             t, nbytes = sum(s for s, _ in mm), sum(b for _, b in mm)
             head_s, head_b = next((s, b) for u, name, s, b, _ in rows if u == "head" and name.startswith("matmul"))
             other = sum(s for _, name, s, _, _ in rows if not name.startswith("matmul"))
-            print(f"{args.threads} thread(s): read bandwidth {bw / 1e9:5.1f} GB/s; matmuls {nbytes / t / 1e9:5.1f} GB/s "
-                  f"({nbytes / t / bw:.0%}), LM head {head_b / head_s / 1e9:5.1f}; other kernels {other * 1e3:.2f} ms; "
-                  f"whole step {whole * 1e3:.1f} ms ({nbytes / whole / bw:.0%} of the bandwidth)")
+            print(f"{args.threads} thread(s): read bandwidth {bw / 1e9:5.1f} GB/s; matmuls "
+                  f"{nbytes / t / 1e9:5.1f} GB/s ({nbytes / t / bw:.0%}), LM head {head_b / head_s / 1e9:5.1f}; "
+                  f"other kernels {other * 1e3:.2f} ms; whole step {whole * 1e3:.1f} ms "
+                  f"({nbytes / whole / bw:.0%} of the bandwidth)")
     eng.close()
 
 

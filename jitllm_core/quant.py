@@ -217,7 +217,9 @@ def _word(k, buf, i):
 
 def _byte_of(piece, n, j):
     """(word, byte in it) of sub-block piece * n + j's byte in a field of a byte per sub-block, 4 to a word: the
-    byte a plain number (n, the sub-blocks of a piece, a multiple of 4)"""
+    byte a plain number, so n (the sub-blocks of a piece) is a multiple of 4"""
+    if n % 4:
+        raise ValueError(f"a piece of {n} sub-blocks: pieces must hold whole words of 4 sub-blocks")
     return piece * (n // 4) + j // 4, j % 4
 
 
@@ -277,7 +279,7 @@ class R4(Affine4):
 
 class R4K(Affine4):
     """Q4_K's super-blocks of 256: [d f16, dmin f16][8 scales u8][8 mins u8][8 x 4 words of nibbles] per row;
-    sub-block s's value = d * scale_s * q - dmin * min_s. Pieces: sub-blocks 0-3, 4-7 (in 4 pieces no faster)."""
+    sub-block s's value = d * scale_s * q - dmin * min_s. Pieces: sub-blocks 0-3, 4-7 (one piece no faster)."""
     pieces = 2
 
     def subs(self, k, buf, at, piece):
