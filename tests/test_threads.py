@@ -64,8 +64,8 @@ def test_claimed_iterations_cover_each_run_once(two_threads):
 
 
 def test_timed_program_times_each_launch_in_order(two_threads):
-    """A timed program (the profile's): one time per launch, each inside the run's own time, a launch of 4M
-    elements taking longer than one of 64, and the results right."""
+    """A timed program (the profile's): one time per launch, all inside the run's own time, a launch of 4M
+    elements taking longer than one of 64 (the least of 5 runs of each), and the results right."""
     from jitllm_core import ir
     from jitllm_core.plugin import Launch
     k = ir.Kernel("scale_by_two")
@@ -77,10 +77,32 @@ def test_timed_program_times_each_launch_in_order(two_threads):
     x, y = dev.alloc(4 << 22), dev.alloc(4 << 22)
     dev.upload(x, np.arange(1 << 22, dtype=np.float32))
     prog = dev.timed_program([Launch(k, {"x": x, "y": y}, {"n": "small"}), Launch(k, {"x": x, "y": y}, {"n": "big"})])
-    for _ in range(3):
+    times = []
+    for _ in range(5):
         t = time.perf_counter()
-        small, big = prog.run({"small": 64, "big": 1 << 22})
-        wall = time.perf_counter() - t
-        assert 0 < small < big and small + big <= wall
+        times.append(prog.run({"small": 64, "big": 1 << 22}))
+        assert 0 < min(times[-1]) and sum(times[-1]) <= time.perf_counter() - t
+    assert min(s for s, _ in times) < min(b for _, b in times)  # the least of each: preemption only adds time
     assert np.array_equal(dev.download(y).view(np.float32), np.arange(1 << 22, dtype=np.float32) * 2)
     dev.free(x), dev.free(y)
+
+
+def test_profile_times_launches_on_their_own_without_timed_programs(two_threads, monkeypatch):
+    """A device without timed programs (the CPU's switched off here): the profile times each launch in a program
+    of its own, and says so."""
+    from jitllm_core import ir
+    from jitllm_core.plugin import Launch
+    from jitllm_core.profile import ON_ITS_OWN, _launch_seconds
+    k = ir.Kernel("plus_one")
+    k.buffer("x", "f32", 64), k.buffer("y", "f32", 64, True)
+    with k.parallel("i", 64) as i:
+        k.store("y", i, k.load("x", i) + 1.0)
+    k = k.finish()
+    dev = two_threads
+    monkeypatch.setattr(dev, "timed_program", lambda launches: None)
+    a, b = dev.alloc(256), dev.alloc(256)
+    dev.upload(a, np.zeros(64, np.float32))
+    seconds, how = _launch_seconds(dev, [Launch(k, {"x": a, "y": b}), Launch(k, {"x": b, "y": a})], {}, 2)
+    assert how == ON_ITS_OWN and len(seconds) == 2 and all(s > 0 for s in seconds)
+    assert np.array_equal(dev.download(a).view(np.float32), np.full(64, 2, np.float32))
+    dev.free(a), dev.free(b)

@@ -1133,7 +1133,7 @@ def program_module(launch_slots, kernels, width, triple, isa=frozenset(), stamps
     barrier after this launch?). The last launch is always followed by a barrier. Each launch's parallel loops
     claim work from counters of their own (CLAIM_STRIDE i32s apart, all of them zero when a step starts), which
     thread 0 zeroes again once the step's final barrier is passed. stamps: the buffer slot of a timed program's
-    timestamps (i64 ns; [0] when the step starts, [i + 1] after launch i's barrier), else None.
+    timestamps (i64 ns; [0] once every thread has started, [i + 1] after launch i's barrier), else None.
     """
     m = L.Module(name="jitllm_program")
     m.triple = triple
@@ -1156,7 +1156,8 @@ def program_module(launch_slots, kernels, width, triple, isa=frozenset(), stamps
         bufs, scal, tid, nth, bar, counters = part.args
         b = L.IRBuilder(part.append_basic_block("entry"))
         ts = None if stamps is None else b.load(b.gep(bufs, [L.Constant(I32, stamps)], source_etype=PTR), typ=PTR)
-        if ts is not None and p0 == 0:
+        if ts is not None and p0 == 0:  # once every thread is in: the first launch is not charged their wake-up
+            b.call(barrier, [bar, nth])
             b.call(stamp, [ts, L.Constant(I32, 0), tid])
         for i, (key, bslots, sslots, sync) in enumerate(launch_slots[p0:p0 + STEP_PART], p0):
             args = [b.load(b.gep(bufs, [L.Constant(I32, s)], source_etype=PTR), typ=PTR) for s in bslots]
