@@ -120,6 +120,8 @@ class VulkanDevice(Device):
         if not compute:
             raise BackendUnavailable(f"{props.deviceName} has no compute queue")
         self.queue_family = compute[0]
+        # ns per timestamp tick where the compute queue has timestamps (timed programs), else 0
+        self.timestamp_ns = lim.timestampPeriod if families[self.queue_family].timestampValidBits else 0.0
 
         sg = vk.VkPhysicalDeviceSubgroupProperties(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES)
         m3 = vk.VkPhysicalDeviceMaintenance3Properties(
@@ -286,6 +288,9 @@ class VulkanDevice(Device):
     def program(self, launches) -> "VulkanProgram":
         return VulkanProgram(self, launches)
 
+    def timed_program(self, launches):
+        return VulkanProgram(self, launches, timed=True) if self.timestamp_ns else None
+
     # -- byte copies: through the mapping, or chunked through the staging buffer
     def _check(self, buf, offset, n):
         if buf.device is not self or buf.handle is None:
@@ -384,11 +389,15 @@ class VulkanDevice(Device):
 
 # ----------------------------------------------------------------------------------------------- programs
 class VulkanProgram(Program):
-    """All launches of one step, recorded once into one command buffer."""
+    """All launches of one step, recorded once into one command buffer. timed: a timestamp query after each
+    launch's closing barrier (run returns the launches' seconds)."""
 
-    def __init__(self, device: VulkanDevice, launches):
+    def __init__(self, device: VulkanDevice, launches, timed=False):
         self.device = d = device
         dev = d._vk()
+        self.n_launches = len(launches)
+        self.queries = vk.vkCreateQueryPool(dev, vk.VkQueryPoolCreateInfo(
+            queryType=vk.VK_QUERY_TYPE_TIMESTAMP, queryCount=len(launches) + 1), None) if timed else None
         lows = [d.lowered(ln.kernel) for ln in launches]
         # control buffer: [indirect dispatch counts: 3 words each][per-launch slots: scalars, spills]
         n_indirect = sum(len(low.dispatches) for low in lows if low.deps)
@@ -414,8 +423,11 @@ class VulkanProgram(Program):
         self.sized = []  # (lowered, [(param, value name)] of its deps, first indirect slot)
         cmd, indirect = self.cmd, 0
         vk.vkBeginCommandBuffer(cmd, vk.VkCommandBufferBeginInfo())
+        if timed:
+            vk.vkCmdResetQueryPool(cmd, self.queries, 0, len(launches) + 1)
         _full_barrier(cmd)
-        for ln, low, base in zip(launches, lows, bases):
+        self._stamp(0)
+        for i, (ln, low, base) in enumerate(zip(launches, lows, bases)):
             dsl, pl = d.layouts(tuple(b.chunks for b in low.bindings))
             dset = vk.vkAllocateDescriptorSets(dev, vk.VkDescriptorSetAllocateInfo(
                 descriptorPool=self.pool, descriptorSetCount=1, pSetLayouts=[dsl]))[0]
@@ -437,10 +449,16 @@ class VulkanProgram(Program):
                 _barrier(cmd, vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
                          vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_DRAW_INDIRECT_BIT,
                          vk.VK_ACCESS_SHADER_WRITE_BIT, vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT)
+            self._stamp(i + 1)
         _full_barrier(cmd)  # results visible to the host and to later submissions
         vk.vkEndCommandBuffer(cmd)
         with d._lock:
             d.save_pipeline_cache()
+
+    def _stamp(self, i):
+        """A timed program's timestamp i, once the work recorded before it is done."""
+        if self.queries is not None:
+            vk.vkCmdWriteTimestamp(self.cmd, vk.VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, self.queries, i)
 
     def _writes(self, ln, low, dset):
         ctl = vk.VkDescriptorBufferInfo(buffer=self.ctl.handle, offset=0, range=self.ctl.size)
@@ -472,6 +490,12 @@ class VulkanProgram(Program):
                 counts = low.group_counts({p: int(values[v]) for p, v in names}, d.max_groups)
                 self.words[3 * indirect:3 * (indirect + len(counts))] = [x for c in counts for x in (c, 1, 1)]
             d.submit(self.cmd)
+            if self.queries is not None:
+                n = self.n_launches + 1
+                ticks = vk.ffi.new("uint64_t[]", n)
+                vk.vkGetQueryPoolResults(d._dev, self.queries, 0, n, 8 * n, ticks, 8,
+                                         vk.VK_QUERY_RESULT_64_BIT | vk.VK_QUERY_RESULT_WAIT_BIT)
+                return list(np.diff(np.array(list(ticks), np.float64)) * d.timestamp_ns * 1e-9)
 
     def __del__(self):
         d = self.device
@@ -480,6 +504,8 @@ class VulkanProgram(Program):
         try:
             with d._lock:
                 vk.vkFreeCommandBuffers(d._dev, d.pool, 1, [self.cmd])
+                if self.queries is not None:
+                    vk.vkDestroyQueryPool(d._dev, self.queries, None)
                 vk.vkDestroyDescriptorPool(d._dev, self.pool, None)
                 d.free(self.ctl)
         except Exception:  # interpreter shutdown: the process is going away anyway
