@@ -395,9 +395,7 @@ class VulkanProgram(Program):
     def __init__(self, device: VulkanDevice, launches, timed=False):
         self.device = d = device
         dev = d._vk()
-        self.n_launches = len(launches)
-        self.queries = vk.vkCreateQueryPool(dev, vk.VkQueryPoolCreateInfo(
-            queryType=vk.VK_QUERY_TYPE_TIMESTAMP, queryCount=len(launches) + 1), None) if timed else None
+        self.n_launches, self.queries = len(launches), None
         lows = [d.lowered(ln.kernel) for ln in launches]
         # control buffer: [indirect dispatch counts: 3 words each][per-launch slots: scalars, spills]
         n_indirect = sum(len(low.dispatches) for low in lows if low.deps)
@@ -424,6 +422,8 @@ class VulkanProgram(Program):
         cmd, indirect = self.cmd, 0
         vk.vkBeginCommandBuffer(cmd, vk.VkCommandBufferBeginInfo())
         if timed:
+            self.queries = vk.vkCreateQueryPool(dev, vk.VkQueryPoolCreateInfo(
+                queryType=vk.VK_QUERY_TYPE_TIMESTAMP, queryCount=len(launches) + 1), None)
             vk.vkCmdResetQueryPool(cmd, self.queries, 0, len(launches) + 1)
         _full_barrier(cmd)
         self._stamp(0)
