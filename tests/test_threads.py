@@ -1,12 +1,10 @@
 """Several threads on one CPU device: the same results as one thread, bit for bit (each parallel iteration is
 computed whole by one thread), including the barriers the runtime leaves out between independent launches."""
-import time
-
 import numpy as np
 import pytest
 
 import jitllm_core as jl
-from backend_check import assert_matches_interpreter
+from backend_check import assert_matches_interpreter, assert_timed_program_times_each_launch
 from conftest import backend_device
 from ir_cases import CASES, inputs_for
 
@@ -64,27 +62,8 @@ def test_claimed_iterations_cover_each_run_once(two_threads):
 
 
 def test_timed_program_times_each_launch_in_order(two_threads):
-    """A timed program (the profile's): one time per launch, all inside the run's own time, a launch of 4M
-    elements taking longer than one of 64 (the least of 5 runs of each), and the results right."""
-    from jitllm_core import ir
-    from jitllm_core.plugin import Launch
-    k = ir.Kernel("scale_by_two")
-    k.buffer("x", "f32", 1 << 22), k.buffer("y", "f32", 1 << 22, True)
-    with k.parallel("i", k.scalar("n")) as i:
-        k.store("y", i, k.load("x", i) * 2.0)
-    k = k.finish()
-    dev = two_threads
-    x, y = dev.alloc(4 << 22), dev.alloc(4 << 22)
-    dev.upload(x, np.arange(1 << 22, dtype=np.float32))
-    prog = dev.timed_program([Launch(k, {"x": x, "y": y}, {"n": "small"}), Launch(k, {"x": x, "y": y}, {"n": "big"})])
-    times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        times.append(prog.run({"small": 64, "big": 1 << 22}))
-        assert 0 < min(times[-1]) and sum(times[-1]) <= time.perf_counter() - t
-    assert min(s for s, _ in times) < min(b for _, b in times)  # the least of each: preemption only adds time
-    assert np.array_equal(dev.download(y).view(np.float32), np.arange(1 << 22, dtype=np.float32) * 2)
-    dev.free(x), dev.free(y)
+    """A timed program (the profile's: thread 0 notes the time after each launch's barrier), on two threads."""
+    assert_timed_program_times_each_launch(two_threads, 1 << 22)
 
 
 def test_profile_times_launches_on_their_own_without_timed_programs(two_threads, monkeypatch):

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backend_check import assert_matches_interpreter, run_on_device
+from backend_check import assert_matches_interpreter, assert_timed_program_times_each_launch, run_on_device
 from conftest import missing
 from ir_cases import CASES, inputs_for
 from jitllm_core import interp, ir
@@ -160,34 +160,10 @@ def test_program_reruns_with_new_scalars(dev):
 
 @big_buffers
 def test_timed_program_times_each_launch_in_order(dev):
-    """A timed program (the profile's: timestamp queries after each launch's barrier): one time per launch, each
-    inside the run's own time, a launch of 1M elements taking longer than one of 64 (the least of 5 runs of
-    each), and the results right."""
-    import time
-
-    def build(k):
-        k.buffer("x", "f32", 1 << 20), k.buffer("y", "f32", 1 << 20, True)
-        with k.parallel("i", k.scalar("n")) as i:
-            k.store("y", i, k.load("x", i) * 2.0)
-
+    """A timed program (the profile's: timestamp queries after each launch's barrier)."""
     if not dev.timestamp_ns:
         pytest.skip(f"{dev.name}: its compute queue has no timestamps")
-    k = _kernel("scale_by_two", build)
-    x, y = dev.alloc(4 << 20), dev.alloc(4 << 20)
-    try:
-        dev.upload(x, np.arange(1 << 20, dtype=np.float32))
-        prog = dev.timed_program([Launch(k, {"x": x, "y": y}, {"n": "small"}),
-                                  Launch(k, {"x": x, "y": y}, {"n": "big"})])
-        prog.run({"small": 64, "big": 1 << 20})  # lavapipe compiles a shader at its first dispatch (~30 ms)
-        times = []
-        for _ in range(5):
-            t = time.perf_counter()
-            times.append(prog.run({"small": 64, "big": 1 << 20}))
-            assert 0 < min(times[-1]) and sum(times[-1]) <= time.perf_counter() - t
-        assert min(s for s, _ in times) < min(b for _, b in times)  # the least of each: preemption only adds time
-        assert np.array_equal(dev.download(y).view(np.float32), np.arange(1 << 20, dtype=np.float32) * 2)
-    finally:
-        dev.free(x), dev.free(y)
+    assert_timed_program_times_each_launch(dev, 1 << 20)
 
 
 @big_buffers
