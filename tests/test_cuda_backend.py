@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backend_check import assert_matches_interpreter
+from backend_check import assert_matches_interpreter, assert_timed_program_times_each_launch
 from ir_cases import CASES, inputs_for, reductions
 from jitllm_core import interp, ir
 from jitllm_core.errors import BackendError
@@ -332,6 +332,11 @@ def test_gpu_program_reuses_its_graph_with_new_scalars(gpu):
     finally:
         gpu.free(bx)
         gpu.free(bo)
+
+
+def test_gpu_timed_program_times_each_launch(gpu):
+    """A timed program (the profile's): events recorded inside the graph, before the first launch and after each."""
+    assert_timed_program_times_each_launch(gpu, 1 << 22)
 
 
 @pytest.mark.parametrize("nbytes", [1, 4096, 8 << 20, (16 << 20) + 12345])

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef int CUresult;
 enum { OK = 0, INVALID_CONTEXT = 201, NOT_FOUND = 500, PEER_ALREADY_ENABLED = 704 };
@@ -56,14 +57,22 @@ CUresult cuStreamCreate(void** s, unsigned flags) { NEED_CTX; *s = calloc(1, siz
 CUresult cuStreamSynchronize(void* s) { return OK; }
 CUresult cuEventCreate(void** e, unsigned flags) { NEED_CTX; *e = malloc(8); return OK; }
 CUresult cuEventRecord(void* e, void* s) { return OK; }
+CUresult cuEventElapsedTime(float* ms, void* start, void* end) { *ms = *(double*)end - *(double*)start; return OK; }
 CUresult cuEventSynchronize(void* e) { return OK; }
+CUresult cuEventDestroy(void* e) { free(e); return OK; }
 CUresult cuMemAlloc(void** p, size_t n) { NEED_CTX; *p = aligned_alloc(256, (n + 255) / 256 * 256); return OK; }
 CUresult cuMemFree(void* p) { free(p); return OK; }
 CUresult cuMemHostAlloc(void** p, size_t n, unsigned flags) { NEED_CTX; *p = aligned_alloc(4096, (n + 4095) / 4096 * 4096); return OK; }
 CUresult cuMemFreeHost(void* p) { free(p); return OK; }
 
-static void run(Node* n) {
-  if (!n->kernel) memcpy(n->dst, n->src, n->n);
+static void stamp(double* event) {  // an event holds the time it was reached, in ms
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  *event = t.tv_sec * 1e3 + t.tv_nsec * 1e-6;
+}
+static void run(Node* n) {  // kernel: 0 a copy, 1 a launch, 2 an event record
+  if (n->kernel == 2) stamp(n->dst);
+  else if (!n->kernel) memcpy(n->dst, n->src, n->n);
   else if (on_launch) on_launch(n->fn->src, n->fn->name, n->grid, n->fn->nparams, n->args);
 }
 static CUresult submit(Stream* s, Node* n) {  // record while capturing, else run now
@@ -77,6 +86,7 @@ CUresult cuMemcpyHtoDAsync(void* dst, const void* src, size_t n, void* s) {
 CUresult cuMemcpyDtoHAsync(void* dst, const void* src, size_t n, void* s) {
   NEED_CTX; Node nd = {0, dst, src, n}; return submit(s, &nd);
 }
+CUresult cuEventRecordWithFlags(void* e, void* s, unsigned flags) { Node nd = {2, e}; return submit(s, &nd); }
 CUresult cuMemcpyPeerAsync(void* dst, void* dctx, const void* src, void* sctx, size_t n, void* s) {
   Node nd = {0, dst, src, n}; return submit(s, &nd);
 }

@@ -190,6 +190,10 @@ class CudaDevice(Device):
         from .program import CudaProgram
         return CudaProgram(self, launches)
 
+    def timed_program(self, launches):
+        from .program import CudaProgram
+        return CudaProgram(self, launches, timed=True)
+
     def functions(self, kernel):
         """Lowered kernel and its loaded __global__ functions by name (compiled once per IR, loaded once per device)."""
         key = kernel.key()
