@@ -7,7 +7,9 @@ Prompt tok/s = prompt tokens / prefill time; decode tok/s = decode steps / their
 Read bandwidth: the engine's device summing a 256 MB f32 matrix with a kernel of its own, on the same threads
 (planner.bandwidth_meter), the best of 5 before the runs and of 2 after each, in the same run. Decode's fraction
 of it = bytes read per token x decode tok/s / bandwidth, where jitllm's bytes are what its engine counts
-(weights in their packed layout) and llama.cpp's are the GGUF file's tensors.
+(weights in their packed layout) and llama.cpp's are the GGUF file's tensors. Two figures: each run against the
+bandwidth measured just before and just after it (a shared machine's speed drifts by tens of percent within a
+run; the median over runs is reported), and the median run against the best bandwidth of the whole run.
 """
 from __future__ import annotations
 
@@ -92,19 +94,20 @@ def open_llama_cpp(path, threads, n_ctx):
 
 
 def interleaved_runs(eng, peer, ids, decode_tokens, repeats, measure):
-    """{engine: [(prompt tok/s, decode tok/s) per run]} after a warm-up run of each, jitllm and the peer (or None)
-    in turn, and the read bandwidth: the best of `measure`'s before the runs and between them (one slow moment
-    of a shared machine must not lower the bandwidth that decode is measured against)."""
-    runs, bandwidth = {"jitllm": [], "llama.cpp": []}, measure(5)
+    """{engine: [(prompt tok/s, decode tok/s, read bandwidth beside the run) per run]} after a warm-up run of each,
+    jitllm and the peer (or None) in turn, and the best read bandwidth of the whole run. `measure` (a best of
+    several) runs before the runs and after each; a run's bandwidth is the better of those just before and just
+    after it, so that decode and the bandwidth it is divided by see the machine in the same moment."""
+    runs, marks = {"jitllm": [], "llama.cpp": []}, [measure(5)]
     for r in range(repeats + 1):  # run 0 is the warm-up
         measured = {"jitllm": jitllm_once(eng, ids, decode_tokens)}
         if peer:
             measured["llama.cpp"] = peer.once(ids, decode_tokens)
+        marks.append(measure(2))
         if r:
             for name, m in measured.items():
-                runs[name].append(m)
-        bandwidth = max(bandwidth, measure(2))
-    return runs, bandwidth
+                runs[name].append((*m, max(marks[-2:])))
+    return runs, max(marks)
 
 
 def run_bench(model=None, devices=None, kv_dtype="f16", threads=(1, 2), prompt_tokens=37, decode_tokens=64,
@@ -135,8 +138,10 @@ def run_bench(model=None, devices=None, kv_dtype="f16", threads=(1, 2), prompt_t
         row = {"threads": n, "bandwidth_Bps": bandwidth, "bytes_per_token": bytes_per_token}
         for name, ms in runs.items():
             if ms:
+                b = bytes_per_token[name]
                 row[name] = {"prompt_tok_s": statistics.median(m[0] for m in ms),
-                             "decode_tok_s": statistics.median(m[1] for m in ms)}
+                             "decode_tok_s": statistics.median(m[1] for m in ms),
+                             "bw_fraction": statistics.median(b * m[1] / m[2] for m in ms) if b else None}
         results.append(row)
     print_report(results, model_path, prompt_tokens, decode_tokens, repeats, out, activations)
     return results
@@ -156,7 +161,7 @@ def print_report(results, model_path, prompt_tokens, decode_tokens, repeats, out
     header = ["threads"]
     for what in ("prompt", "decode"):
         header += [f"{what} {e}" for e in engines] + (["ratio"] if peer else [])
-    header += ["read GB/s"] + [f"{e} % of bw" for e in engines]
+    header += ["read GB/s"] + [f"{e} % of bw" for e in engines] + [f"{e} % of best" for e in engines]
     rows = []
     for r in results:
         row = [r["threads"]]
@@ -166,9 +171,12 @@ def print_report(results, model_path, prompt_tokens, decode_tokens, repeats, out
                 row.append(f"{r['jitllm'][what] / r['llama.cpp'][what]:.2f}x" if "llama.cpp" in r else "-")
         row.append(f"{r['bandwidth_Bps'] / 1e9:.1f}")
         b = r["bytes_per_token"]
+        row += [f"{100 * r[e]['bw_fraction']:.0f}%" if e in r and r[e]["bw_fraction"] else "-" for e in engines]
         row += [f"{100 * b[e] * r[e]['decode_tok_s'] / r['bandwidth_Bps']:.0f}%" if b.get(e) and e in r else "-"
                 for e in engines]
         rows.append(row)
     print_table(header, rows, file=out, right=range(len(header)))
     print("tok/s" + ("; ratio = jitllm / llama.cpp" if peer else "") + "; % of bw = bytes per token x decode "
-          "tok/s / read bandwidth at that thread count", file=out)
+          "tok/s / read bandwidth at that thread count: each run against the bandwidth measured just before and "
+          "after it (median over runs); % of best: the median run against the best bandwidth (read GB/s)",
+          file=out)

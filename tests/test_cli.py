@@ -105,12 +105,25 @@ def test_chat_session_commands(monkeypatch, capsys, default_model):
 def test_bench_report_ratios_and_bandwidth_fraction(capsys):
     bench = pytest.importorskip("jitllm_core.bench")
     results = [{"threads": 2, "bandwidth_Bps": 10e9, "bytes_per_token": {"jitllm": 100e6, "llama.cpp": 80e6},
-                "jitllm": {"prompt_tok_s": 300.0, "decode_tok_s": 80.0},
-                "llama.cpp": {"prompt_tok_s": 200.0, "decode_tok_s": 50.0}}]
+                "jitllm": {"prompt_tok_s": 300.0, "decode_tok_s": 80.0, "bw_fraction": 0.85},
+                "llama.cpp": {"prompt_tok_s": 200.0, "decode_tok_s": 50.0, "bw_fraction": 0.44}}]
     bench.print_report(results, "m.gguf", 37, 64, 5, None)
     out = capsys.readouterr().out
     header, row = [line for line in out.splitlines() if re.match(r"\s*(threads|2)\s", line)]
     assert header.split()[:4] == ["threads", "prompt", "jitllm", "prompt"]
-    # % of bandwidth: 100 MB per token x 80 tok/s / 10 GB/s = 80% (llama.cpp: 80 MB x 50 tok/s -> 40%)
-    assert row.split() == ["2", "300.0", "200.0", "1.50x", "80.0", "50.0", "1.60x", "10.0", "80%", "40%"]
+    # % of bw: each run's against the bandwidth beside it, the median (given); % of best: 100 MB per token x
+    # 80 tok/s / 10 GB/s = 80% (llama.cpp: 80 MB x 50 tok/s -> 40%)
+    assert row.split() == ["2", "300.0", "200.0", "1.50x", "80.0", "50.0", "1.60x", "10.0", "85%", "44%", "80%",
+                           "40%"]
     assert "jitllm 100.0 MB" in out and "llama.cpp 80.0 MB" in out
+
+
+def test_bench_pairs_each_run_with_the_bandwidth_measured_beside_it(monkeypatch):
+    """A run's bandwidth is the better of the measurements just before and just after it; the warm-up run counts
+    for neither engine; the best of all is returned too."""
+    bench = pytest.importorskip("jitllm_core.bench")
+    speeds = iter([(1.0, 10.0), (2.0, 20.0), (3.0, 30.0)])   # warm-up, run 1, run 2
+    monkeypatch.setattr(bench, "jitllm_once", lambda eng, ids, steps: next(speeds))
+    marks = iter([5.0, 7.0, 6.0, 9.0])                        # before, after the warm-up, after run 1, after run 2
+    runs, best = bench.interleaved_runs(None, None, [1], 4, 2, lambda n: next(marks))
+    assert runs["jitllm"] == [(2.0, 20.0, 7.0), (3.0, 30.0, 9.0)] and runs["llama.cpp"] == [] and best == 9.0
