@@ -148,7 +148,26 @@ def vector_loads(rows=6, n=32):
     return k.finish()
 
 
+def staged_serial(rows=6, cols=203):
+    """Serial reductions of constant extent in loops whose lanes cooperate (a block per row; a warp per row for 300
+    rows), f32 and i32, two in one iteration (the staging memory reused), one reading what the lanes just stored."""
+    k = ir.Kernel("staged_serial")
+    k.buffer("x", "f32", rows * cols), k.buffer("a", "i32", rows * cols), k.buffer("o", "f32", rows * cols, True)
+    k.buffer("s", "f32", rows * 2, True), k.buffer("si", "i32", rows, True)
+    with k.parallel("r", rows) as r:
+        x = lambda c: k.load("x", r * cols + c)
+        ss = k.let("ss", ir.reduce("add", "c", cols, lambda c: x(c) * x(c), "serial"))
+        with k.loop("c", cols, "vector") as c:
+            k.store("o", r * cols + c, x(c) / (ss + 1.0))
+        k.store("s", r * 2, ss)
+        k.store("s", r * 2 + 1, ir.reduce("add", "c", cols, lambda c: k.load("o", r * cols + c) * 3.0, "serial"))
+        k.store("si", r, ir.Reduce("add", "c", ir.as_expr(cols), k.load("a", r * cols + ir.Var("c")), "serial"))
+    return k.finish()
+
+
 EXTRA = {
+    "staged_serial": (staged_serial, {}),
+    "staged_serial_warps": (lambda: staged_serial(rows=300), {}),
     "warp_reductions": (lambda: reductions(rows=300), {"n": 13}),
     "coop_dynamic": (coop_dynamic, {"n": 7}),
     "narrow_atomics": (narrow_atomics, {}),
@@ -181,6 +200,10 @@ def test_mapping_choices():
     # and i32 sums; none in the unaligned and run-time sums
     assert lower(vector_loads()).source.count("*(const uint4*)") == 4 + 2 + 2 + 1 + 1 + 1
     assert "thread task" in lower(CASES["elementwise_f32"][0]()).source
+    # serial sums of constant extent in a cooperative iteration: the terms staged in shared memory by the lanes
+    assert lower(staged_serial()).source.count("__shared__ float jl_stage") == 2
+    assert "__shared__ float jl_stage[4][203]" in lower(staged_serial(rows=300)).source
+    assert "__shared__ float jl_stage[1][2048]" in lower(ops.rmsnorm(2048, 1, 1e-5)).source
     assert len(lower(CASES["barriers"][0]()).dispatches) == 2
     assert len(lower(top_level()).dispatches) == 3
 
@@ -200,6 +223,15 @@ def test_generated_source_matches_interpreter(name):
     build, scalars = ALL[name]
     k = build()
     assert_matches_interpreter(emu.EmuDevice(), k, inputs_for(k), scalars)
+
+
+@pytest.mark.skipif(not emu.available(), reason="no g++ for the host emulation")
+@pytest.mark.parametrize("name", ["staged_serial", "staged_serial_warps"])
+def test_staged_serial_sums_keep_the_order(name):
+    """A staged serial sum adds the same terms in the same order as the interpreter: equal bit for bit."""
+    build, scalars = ALL[name]
+    k = build()
+    assert_matches_interpreter(emu.EmuDevice(), k, inputs_for(k), scalars, rtol=0, atol=0)
 
 
 def test_top_level_assign_in_control_flow_is_refused():
@@ -306,6 +338,13 @@ def test_gpu_case(gpu, name):
     build, scalars = ALL[name]
     k = build()
     assert_matches_interpreter(gpu, k, inputs_for(k), scalars)
+
+
+@pytest.mark.parametrize("name", ["staged_serial", "staged_serial_warps"])
+def test_gpu_staged_serial_sums_keep_the_order(gpu, name):
+    build, scalars = ALL[name]
+    k = build()
+    assert_matches_interpreter(gpu, k, inputs_for(k), scalars, rtol=0, atol=0)
 
 
 def test_gpu_program_reuses_its_graph_with_new_scalars(gpu):

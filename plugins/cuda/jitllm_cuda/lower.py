@@ -44,6 +44,7 @@ STORAGE_CTYPE = {"f32": "float", "f16": "__half", "bf16": "unsigned short", "u8"
                  "i8": "signed char", "i32": "int"}
 DEFS = (ir.Let, ir.Local, ir.Assign)
 VECTOR_BYTES = 16      # a uint4 load
+STAGE_BYTES = 32 << 10  # shared memory a function may give to staged serial reductions (48 KB is the static limit)
 
 PRELUDE = r"""#include <cuda_fp16.h>
 #define JL_BLOCK 128
@@ -318,6 +319,7 @@ class _Function:
         self.vector = {}        # id(Load) -> the C expression of its element in a uint4 loaded by a reduction
         self.coop = False       # code runs redundantly on all lanes of an iteration (stores by lane 0)
         self.loaded = set()     # buffers the current cooperative iteration reads
+        self.staged = 0         # bytes of shared memory given to staged reductions
 
     # -- output and names
     def line(self, text):
@@ -563,6 +565,9 @@ class _Function:
         n = self.ex(e.extent)
         self.line(f"{CTYPE[dt]} {t} = {ident};")
         const_n = e.extent.value if isinstance(e.extent, ir.Const) else None
+        if self.coop and e.kind == "serial" and const_n is not None \
+                and self.staged + 4 * BLOCK // self.lanes * int(const_n) <= STAGE_BYTES:
+            return self.staged_reduce(e, t, int(const_n))
         loads = {} if split or const_n is None else _vector_loads(e, int(const_n), self.k)
         if loads:
             return self.vector_reduce(e, t, loads)
@@ -581,6 +586,29 @@ class _Function:
             self.line(f"{t} = jl_warp_reduce<{CTYPE[dt]}, jl_{e.op}>({t});")
         elif split:
             self.line(f"{t} = jl_block_reduce<{CTYPE[dt]}, jl_{e.op}>({t}, {'jl_shf' if dt == 'f32' else 'jl_shi'});")
+        return t
+
+    def staged_reduce(self, e: ir.Reduce, t: str, n: int) -> str:
+        """A serial reduction that every lane of a group would run whole: the lanes compute its terms side by side
+        into shared memory, then each adds them up in the IR's order. The same operations in the same order as one
+        thread's loop, but the terms' loads and arithmetic are no longer on the chain of dependent steps."""
+        groups = BLOCK // self.lanes
+        self.staged += 4 * groups * n
+        stage, o, j = self.fresh("stage", "jl"), self.fresh(e.var), self.fresh("j", "jl")
+        self.line(f"__shared__ {CTYPE[e.value.dtype]} {stage}[{groups}][{n}];")
+        mine = f"{stage}[threadIdx.x / {self.lanes}u]" if groups > 1 else f"{stage}[0]"
+        self.open(f"for (int {o} = jl_lane; {o} < {n}; {o} += {self.lanes})")
+        self.scopes[-1][e.var] = o
+        saved, self.coop = self.coop, False
+        self.line(f"{mine}[{o}] = {self.ex(e.value)};")
+        self.coop = saved
+        self.close()
+        self.sync()
+        self.line("#pragma unroll 8")
+        self.open(f"for (int {j} = 0; {j} < {n}; {j}++)")
+        self.line(f"{t} = jl_{e.op}({t}, {mine}[{j}]);")
+        self.close()
+        self.sync()   # the stage is reused by the group's next iteration
         return t
 
     def vector_reduce(self, e: ir.Reduce, t: str, loads: dict) -> str:
