@@ -65,6 +65,15 @@ class Format:
     def terms(self, k, buf, base, g, l):
         raise NotImplementedError
 
+    def wide_terms(self, k, buf, base, e):
+        """The (column, weight) pairs of lane e of a block in the wide form (e < wide_lanes): lane e of each group,
+        unless a format splits its blocks otherwise."""
+        return [t for g in range(self.groups) for t in self.terms(k, buf, base, g, e)]
+
+    @property
+    def wide_lanes(self):
+        return self.lanes
+
     def row_dot(self, k, buf, row, cols, x, wide=False):
         """sum_c W[row, c] * x(c). Narrow (CPU lanes): a "reduce" Reduce over blocks of the sum over the block's
         groups (constants, so that scale lookups fold) of a vector Reduce over the group's lanes. Wide (a GPU's
@@ -79,8 +88,10 @@ class Format:
         def total(ts):
             return sum(ts[1:], ts[0])
         if wide:
-            return ir.reduce("add", "e", nb * self.lanes, lambda e: total(
-                [t for g in range(self.groups) for t in terms(e // self.lanes, g, e % self.lanes)]), "reduce")
+            n = self.wide_lanes
+            return ir.reduce("add", "e", nb * n, lambda e: total(
+                [w * x((e // n) * self.block + j)
+                 for j, w in self.wide_terms(k, buf, (row * nb + e // n) * self.unit, e % n)]), "reduce")
         return ir.reduce("add", "b", nb, lambda b: total(
             [ir.reduce("add", f"l{g}", self.lanes, lambda l: total(terms(b, g, l)), "vector")
              for g in range(self.groups)]), "reduce")
@@ -127,6 +138,22 @@ class Q4_K(Format):
         sc1, m1 = _k4_scale_min(k, buf, base, p * 2 + 1)
         q = k.load(buf, base + 16 + p * 32 + l)
         return [(p * 64 + l, (d * sc0) * F(q & 15) - dmin * m0), (p * 64 + 32 + l, (d * sc1) * F(q >> 4) - dmin * m1)]
+
+    # wide form: 8 lanes a block, lane e reading bytes 4e..4e+3 of every group (32 weights), so that the scales a
+    # lane decodes serve 32 weights, not 8 (lane e of each group, the default, decodes all 8 pairs for 8 weights)
+    wide_lanes = 8
+
+    def wide_terms(self, k, buf, base, e):
+        d, dmin = _half(k, buf, base), _half(k, buf, base + 2)
+        out = []
+        for p in range(self.groups):
+            sc0, m0 = _k4_scale_min(k, buf, base, p * 2)
+            sc1, m1 = _k4_scale_min(k, buf, base, p * 2 + 1)
+            for i in range(4):
+                q = k.load(buf, base + 16 + p * 32 + e * 4 + i)
+                out += [(p * 64 + e * 4 + i, (d * sc0) * F(q & 15) - dmin * m0),
+                        (p * 64 + 32 + e * 4 + i, (d * sc1) * F(q >> 4) - dmin * m1)]
+        return out
 
 
 class Q6_K(Format):
