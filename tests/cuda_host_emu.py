@@ -35,6 +35,9 @@ SHIM = r"""
 #define __shared__ static
 struct jl_dim3 { unsigned x, y, z; };
 struct uint4 { unsigned x, y, z, w; };
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(16) int4 { int x, y, z, w; };
+#define __align__(n) __attribute__((aligned(n)))
 static thread_local jl_dim3 threadIdx, blockIdx;
 static pthread_barrier_t jl_block_bar, jl_warp_bar[BLOCK / 32];
 static uint64_t jl_xch[BLOCK];

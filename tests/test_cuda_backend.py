@@ -150,7 +150,8 @@ def vector_loads(rows=6, n=32):
 
 def staged_serial(rows=6, cols=203):
     """Serial reductions of constant extent in loops whose lanes cooperate (a block per row; a warp per row for 300
-    rows), f32 and i32, two in one iteration (the staging memory reused), one reading what the lanes just stored."""
+    rows), f32 and i32, two in one iteration (the staging memory reused), one reading what the lanes just stored;
+    a multiple of 4 columns is read back 16 bytes at a time."""
     k = ir.Kernel("staged_serial")
     k.buffer("x", "f32", rows * cols), k.buffer("a", "i32", rows * cols), k.buffer("o", "f32", rows * cols, True)
     k.buffer("s", "f32", rows * 2, True), k.buffer("si", "i32", rows, True)
@@ -167,7 +168,7 @@ def staged_serial(rows=6, cols=203):
 
 EXTRA = {
     "staged_serial": (staged_serial, {}),
-    "staged_serial_warps": (lambda: staged_serial(rows=300), {}),
+    "staged_serial_warps": (lambda: staged_serial(rows=300, cols=204), {}),
     "warp_reductions": (lambda: reductions(rows=300), {"n": 13}),
     "coop_dynamic": (coop_dynamic, {"n": 7}),
     "narrow_atomics": (narrow_atomics, {}),
@@ -201,9 +202,10 @@ def test_mapping_choices():
     assert lower(vector_loads()).source.count("*(const uint4*)") == 4 + 2 + 2 + 1 + 1 + 1
     assert "thread task" in lower(CASES["elementwise_f32"][0]()).source
     # serial sums of constant extent in a cooperative iteration: the terms staged in shared memory by the lanes
-    assert lower(staged_serial()).source.count("__shared__ float jl_stage") == 2
-    assert "__shared__ float jl_stage[4][203]" in lower(staged_serial(rows=300)).source
-    assert "__shared__ float jl_stage[1][2048]" in lower(ops.rmsnorm(2048, 1, 1e-5)).source
+    assert lower(staged_serial()).source.count("__shared__ __align__(16) float jl_stage") == 2
+    assert "__shared__ __align__(16) float jl_stage[4][204]" in lower(staged_serial(rows=300, cols=204)).source
+    assert "float4" not in lower(staged_serial()).source   # 16-byte reads only where the rows stay aligned
+    assert "__shared__ __align__(16) float jl_stage[1][2048]" in lower(ops.rmsnorm(2048, 1, 1e-5)).source
     assert len(lower(CASES["barriers"][0]()).dispatches) == 2
     assert len(lower(top_level()).dispatches) == 3
 

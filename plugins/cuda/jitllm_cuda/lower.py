@@ -595,7 +595,7 @@ class _Function:
         groups = BLOCK // self.lanes
         self.staged += 4 * groups * n
         stage, o, j = self.fresh("stage", "jl"), self.fresh(e.var), self.fresh("j", "jl")
-        self.line(f"__shared__ {CTYPE[e.value.dtype]} {stage}[{groups}][{n}];")
+        self.line(f"__shared__ __align__(16) {CTYPE[e.value.dtype]} {stage}[{groups}][{n}];")
         mine = f"{stage}[threadIdx.x / {self.lanes}u]" if groups > 1 else f"{stage}[0]"
         self.open(f"for (int {o} = jl_lane; {o} < {n}; {o} += {self.lanes})")
         self.scopes[-1][e.var] = o
@@ -604,9 +604,16 @@ class _Function:
         self.coop = saved
         self.close()
         self.sync()
+        w = 4 if n % 4 == 0 else 1   # 16-byte reads of the stage where its rows stay aligned
         self.line("#pragma unroll 8")
-        self.open(f"for (int {j} = 0; {j} < {n}; {j}++)")
-        self.line(f"{t} = jl_{e.op}({t}, {mine}[{j}]);")
+        self.open(f"for (int {j} = 0; {j} < {n}; {j} += {w})")
+        if w == 4:
+            q = self.fresh("q", "jl")
+            self.line(f"const {CTYPE[e.value.dtype]}4 {q} = *({CTYPE[e.value.dtype]}4*)&{mine}[{j}];")
+            for c in "xyzw":
+                self.line(f"{t} = jl_{e.op}({t}, {q}.{c});")
+        else:
+            self.line(f"{t} = jl_{e.op}({t}, {mine}[{j}]);")
         self.close()
         self.sync()   # the stage is reused by the group's next iteration
         return t
