@@ -172,6 +172,23 @@ class Q6_K(Format):
              (a >> 4) | (((qh >> 4) & 3) << 4), (b >> 4) | (((qh >> 6) & 3) << 4)]
         return [(128 * n + 32 * i + l, sc(i) * F(q[i] - 32)) for i in range(4)]
 
+    # wide form: 8 lanes a block, lane e reading positions 4e..4e+3 of both halves (32 weights, whose 8 scales it
+    # loads once; lane e of each group, the default, loads 16 scales for 16 weights)
+    wide_lanes = 8
+
+    def wide_terms(self, k, buf, base, e):
+        out = []
+        for n in range(2):
+            sc = [self.scale(k, buf, base, 8 * n + e // 4 + 2 * i) for i in range(4)]
+            for m in range(4):
+                l = e * 4 + m
+                a, b = k.load(buf, base + 64 * n + l), k.load(buf, base + 64 * n + 32 + l)
+                qh = k.load(buf, base + 128 + 32 * n + l)
+                q = [(a & 15) | ((qh & 3) << 4), (b & 15) | (((qh >> 2) & 3) << 4),
+                     (a >> 4) | (((qh >> 4) & 3) << 4), (b >> 4) | (((qh >> 6) & 3) << 4)]
+                out += [(128 * n + 32 * i + l, sc[i] * F(q[i] - 32)) for i in range(4)]
+        return out
+
 
 ROWS = 16  # rows stored together in the interleaved layouts: a vector of lanes, one row each
 NIBBLES = 0x0F0F0F0F

@@ -166,6 +166,24 @@ def staged_serial(rows=6, cols=203):
     return k.finish()
 
 
+def wide_dot(name, rows=5, cols=768):
+    """A quantized format's row dot in the form GPUs get (Format.row_dot(wide=True)), with its weights and input:
+    (kernel, buffers)."""
+    from jitllm_core import quant
+    from test_quant_formats import random_tensor
+    rng = np.random.default_rng(3)
+    w, _ = random_tensor(name, rows, cols, rng)
+    fmt = quant.get_format(name, cols)
+    k = ir.Kernel(f"wide_dot_{name}")
+    k.buffer("w", fmt.storage, w.size), k.buffer("x", "f32", cols), k.buffer("y", "f32", rows, True)
+    with k.parallel("r", rows) as r:
+        k.store("y", r, fmt.row_dot(k, "w", r, cols, lambda c: k.load("x", c), wide=True))
+    return k.finish(), {"w": w, "x": rng.standard_normal(cols).astype(np.float32), "y": np.zeros(rows, np.float32)}
+
+
+WIDE = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
+
+
 EXTRA = {
     "staged_serial": (staged_serial, {}),
     "staged_serial_warps": (lambda: staged_serial(rows=300, cols=204), {}),
@@ -234,6 +252,14 @@ def test_staged_serial_sums_keep_the_order(name):
     build, scalars = ALL[name]
     k = build()
     assert_matches_interpreter(emu.EmuDevice(), k, inputs_for(k), scalars, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not emu.available(), reason="no g++ for the host emulation")
+@pytest.mark.parametrize("name", WIDE)
+def test_wide_row_dots_match_interpreter(name):
+    """The quantized dots as a GPU runs them (formats may split their blocks over lanes their own way)."""
+    k, bufs = wide_dot(name)
+    assert_matches_interpreter(emu.EmuDevice(), k, bufs, {})
 
 
 def test_top_level_assign_in_control_flow_is_refused():
@@ -347,6 +373,12 @@ def test_gpu_staged_serial_sums_keep_the_order(gpu, name):
     build, scalars = ALL[name]
     k = build()
     assert_matches_interpreter(gpu, k, inputs_for(k), scalars, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", WIDE)
+def test_gpu_wide_row_dots(gpu, name):
+    k, bufs = wide_dot(name)
+    assert_matches_interpreter(gpu, k, bufs, {})
 
 
 def test_gpu_program_reuses_its_graph_with_new_scalars(gpu):
