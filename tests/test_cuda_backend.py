@@ -224,6 +224,13 @@ def test_mapping_choices():
     assert "__shared__ __align__(16) float jl_stage[4][204]" in lower(staged_serial(rows=300, cols=204)).source
     assert "float4" not in lower(staged_serial()).source   # 16-byte reads only where the rows stay aligned
     assert "__shared__ __align__(16) float jl_stage[1][2048]" in lower(ops.rmsnorm(2048, 1, 1e-5)).source
+    # a GPU's Q4_K row dot: a lane's step reads its block's header (16 bytes), 4 words of nibbles and 8 x 4 inputs
+    # with one load each; Q6_K's blocks (210 bytes) are not word-aligned: only its inputs are merged
+    from jitllm_core import quant
+    q4k = lower(ops.matmul(quant.get_format("Q4_K", 2048), 64, 2048, 1, wide=True)).source
+    assert q4k.count("const uint4 jl_m") == 1 + 8 and q4k.count("const unsigned jl_m") == 4
+    q6k = lower(ops.matmul(quant.get_format("Q6_K", 2048), 64, 2048, 1, wide=True)).source
+    assert q6k.count("const uint4 jl_m") == 8 and "const unsigned jl_m" not in q6k
     assert len(lower(CASES["barriers"][0]()).dispatches) == 2
     assert len(lower(top_level()).dispatches) == 3
 

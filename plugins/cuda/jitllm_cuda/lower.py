@@ -27,6 +27,7 @@ Mapping (every kernel function uses blocks of BLOCK threads):
 from __future__ import annotations
 
 import math
+import functools
 import re
 from dataclasses import dataclass
 
@@ -261,6 +262,63 @@ def _vector_loads(r: ir.Reduce, n, k):
                 break
     step = max((w for _, _, w in found.values()), default=1)
     return found if n % step == 0 else {}
+
+
+def _offset(e):
+    """An index as (its non-constant summands, the sum of its constant ones)."""
+    if isinstance(e, ir.Const):
+        return [], int(e.value)
+    if isinstance(e, ir.Bin) and e.op in ("add", "sub"):
+        (ta, ca), (tb, cb) = _offset(e.a), _offset(e.b)
+        if e.op == "add":
+            return ta + tb, ca + cb
+        if not tb:
+            return ta, ca - cb
+    if isinstance(e, ir.Select) and isinstance(e.cond, ir.Const):   # a choice made when the IR was built
+        return _offset(e.a if e.cond.value else e.b)
+    return [e], 0
+
+
+def _sure_loads(e, inner):
+    """The loads an expression always evaluates (not those of a Select's branch that a condition chooses, unless
+    the condition is a constant), whose index names none of `inner` (variables bound inside it)."""
+    if isinstance(e, ir.Select):
+        if isinstance(e.cond, ir.Const):
+            yield from _sure_loads(e.a if e.cond.value else e.b, inner)
+        else:
+            yield from _sure_loads(e.cond, inner)
+        return
+    if isinstance(e, ir.Reduce):
+        return
+    if isinstance(e, ir.Load):
+        if not {v.name for v in _walk(e.index) if isinstance(v, ir.Var)} & inner:
+            yield e
+        return
+    for c in (e.a, e.b) if isinstance(e, ir.Bin) else (e.a,) if isinstance(e, (ir.Un, ir.Cast)) else ():
+        yield from _sure_loads(c, inner)
+
+
+def _merged_loads(value, k):
+    """Loads of one reduction step that read whole aligned runs of neighbouring elements: [(buffer, base terms,
+    first offset, run length in elements, {offset: [loads]})], a run being 16 bytes, or 4 for byte buffers; the
+    base (the non-constant part of the index) provably a multiple of the run, the loads always evaluated."""
+    inner = {x.var for x in _walk(value) if isinstance(x, ir.Reduce)}
+    groups = {}
+    for x in _sure_loads(value, inner):
+        terms, c = _offset(x.index)
+        if terms:
+            groups.setdefault((x.buf, repr(terms)), (terms, {}))[1].setdefault(c, []).append(x)
+    runs = []
+    for (buf, _), (terms, at) in sorted(groups.items(), key=lambda kv: kv[0]):
+        size = ir.STORAGE_DTYPES[k.buffers[buf].dtype]
+        base = terms[0] if len(terms) == 1 else functools.reduce(lambda a, b: ir.Bin("add", a, b), terms)
+        for n in sorted({VECTOR_BYTES // size, 4 // size} - {0, 1}, reverse=True):
+            if not _multiple_of(base, n):
+                continue
+            for first in sorted({c - c % n for c in at}):
+                if all(first + j in at for j in range(n)):
+                    runs.append((buf, base, first, n, {first + j: at.pop(first + j) for j in range(n)}))
+    return runs
 
 
 def _check_top_level(s, defs):
@@ -578,8 +636,12 @@ class _Function:
                   f"{v} += {self.lanes if split else 1})")
         self.scopes[-1][e.var] = v
         saved, self.coop = self.coop, False   # reductions nested in this one run inside each lane
+        outer = self.vector
+        if split:
+            self.vector = dict(outer)
+            self.merge_loads(e.value)
         val = self.ex(e.value)
-        self.coop = saved
+        self.coop, self.vector = saved, outer
         self.line(f"{t} = jl_{e.op}({t}, {val});")
         self.close()
         if split and self.lanes == 32:
@@ -617,6 +679,21 @@ class _Function:
         self.close()
         self.sync()   # the stage is reused by the group's next iteration
         return t
+
+    def merge_loads(self, value):
+        """A lane's step of a split reduction (a GPU's row dot: a lane's few neighbouring bytes of a block and the
+        inputs they multiply) reads each aligned run of neighbouring elements with one 16- or 4-byte load."""
+        for buf, base, first, n, loads in _merged_loads(value, self.k):
+            q = self.fresh("m", "jl")
+            size, dtype = ir.STORAGE_DTYPES[self.k.buffers[buf].dtype], self.k.buffers[buf].dtype
+            wide = n * size == VECTOR_BYTES
+            self.line(f"const {'uint4' if wide else 'unsigned'} {q} = *(const {'uint4' if wide else 'unsigned'}*)"
+                      f"&{self.bufs[buf]}[jl_wadd({self.ex(base)}, {first})];")
+            for c, xs in loads.items():
+                byte = (c - first) * size
+                word = f"{q}.{'xyzw'[byte // 4]}" if wide else q
+                for x in xs:
+                    self.vector[id(x)] = _element(dtype, word, byte % 4 * 8)
 
     def vector_reduce(self, e: ir.Reduce, t: str, loads: dict) -> str:
         """A thread's reduction, `step` steps per iteration: uint4 loads of each buffer and base (16 bytes each,
