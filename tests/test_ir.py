@@ -177,3 +177,18 @@ def test_cpu_attention_ignores_pool_positions_past_the_keys(cpu):
 def test_cpu_ops_match_interpreter(cpu, op):
     k, scalars = op_examples()[op]
     assert_matches_interpreter(cpu, k, op_inputs(k), scalars, rtol=1e-4, atol=1e-4)
+
+
+def test_cpu_llvm_compile_error_names_the_device(cpu, tmp_path, monkeypatch):
+    """A module LLVM refuses (compiled on LLVM's own thread, while the caller goes on): a clear error from the
+    device's synchronize, as the engine calls it before running programs, and again from the program's step."""
+    from jitllm_core.errors import BackendError
+    monkeypatch.setenv("JITLLM_CACHE_DIR", str(tmp_path))
+    compiled = cpu.compile("not-a-module", lambda: "define void @jl_step( {")
+    try:
+        with pytest.raises(BackendError, match=rf"{cpu.name}: LLVM compile failed"):
+            cpu.synchronize()
+        with pytest.raises(BackendError, match="LLVM compile failed"):
+            compiled.step
+    finally:
+        del cpu.compiled["not-a-module"]

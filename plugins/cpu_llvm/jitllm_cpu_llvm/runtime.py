@@ -7,7 +7,9 @@ one ctypes call plus one wake-up of the workers.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
+import functools
 import os
 import threading
 from pathlib import Path
@@ -29,12 +31,20 @@ LOWERING = digest(Path(lower.__file__).read_bytes(), Path(__file__).read_bytes()
 _passes = None
 
 
+@functools.cache
+def host():
+    """(triple, CPU name, feature string, features) of this machine, asked of LLVM once: LLVM's binding calls share
+    one lock, which a compile on LLVM's thread holds for seconds, and lowering must not wait for it."""
+    feats = llvm.get_host_cpu_features()
+    return llvm.get_process_triple(), llvm.get_host_cpu_name(), feats.flatten(), dict(feats)
+
+
 def target_machine():
     """A fresh host target machine: the pass builder and each MCJIT engine take ownership of theirs."""
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
-    return llvm.Target.from_triple(llvm.get_process_triple()).create_target_machine(
-        cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3)
+    triple, cpu, features, _ = host()
+    return llvm.Target.from_triple(triple).create_target_machine(cpu=cpu, features=features, opt=3)
 
 
 def optimize(mod):
@@ -47,7 +57,7 @@ def optimize(mod):
 
 def simd_width():
     """f32 lanes per vector register of this CPU."""
-    feats = llvm.get_host_cpu_features()
+    feats = host()[3]
     return 16 if feats.get("avx512f") else 8 if feats.get("avx2") else 4
 
 
@@ -56,28 +66,47 @@ ISA = ("avx512vnni", "avxvnni", "avx512vl", "avx512bw", "avx2")  # what the lowe
 
 def isa():
     """The x86 features of this CPU that the lowering chooses instructions by (VNNI's byte dots and the like)."""
-    feats = llvm.get_host_cpu_features()
+    feats = host()[3]
     return frozenset(f for f in ISA if feats.get(f))
+
+
+# LLVM works on one thread of its own, one module at a time, each in a context of its own: a program's module is
+# compiled there while the caller goes on lowering the next one (a cold start lowers two: decode and prefill)
+_LLVM = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jitllm-llvm")
 
 
 class Compiled:
     """A JIT-compiled program module, its object code cached on disk under `key` (what the module is made of:
-    kernels, bindings, this lowering's source, the CPU), so that a warm start neither lowers nor compiles."""
+    kernels, bindings, this lowering's source, the CPU), so that a warm start neither lowers nor compiles. Not
+    cached: lowered to LLVM IR text on the caller's thread, compiled on LLVM's; `step` waits for it."""
 
-    def __init__(self, key: str, text_fn):
-        self.path = cache_dir("cpu") / f"{key}.o"
+    def __init__(self, key: str, text_fn, device_name="cpu"):
+        self.path, self.device_name = cache_dir("cpu") / f"{key}.o", device_name
         self.cached = self.path.exists()
-        self.step = self._engine(llvm.parse_assembly("")) if self.cached else None  # code from the cache
-        if not self.step:  # not cached (or unreadable): lower and compile
+        self._step = _LLVM.submit(self._engine, None).result() if self.cached else None  # code from the cache
+        if not self._step:  # not cached (or unreadable): lower, then compile
             self.cached = False
-            mod = llvm.parse_assembly(text_fn())
-            mod.link_in(llvm.parse_assembly(lower.SUPPORT_IR))
-            mod.verify()
-            optimize(mod)
-            self.step = self._engine(mod)
+            self._compiling = _LLVM.submit(self._compile, text_fn())
+
+    def _compile(self, text):
+        self.context = llvm.create_context()
+        mod = llvm.parse_assembly(text, context=self.context)
+        mod.link_in(llvm.parse_assembly(lower.SUPPORT_IR, context=self.context))
+        mod.verify()
+        optimize(mod)
+        return self._engine(mod)
+
+    @property
+    def step(self):
+        if self._step is None:
+            try:
+                self._step = self._compiling.result()
+            except RuntimeError as e:  # llvmlite reports parse/verify/codegen failures as RuntimeError
+                raise BackendError(f"{self.device_name}: LLVM compile failed: {e}") from None
+        return self._step
 
     def _engine(self, mod):
-        self.engine = llvm.create_mcjit_compiler(mod, target_machine())
+        self.engine = llvm.create_mcjit_compiler(mod or llvm.parse_assembly(""), target_machine())
         self.engine.set_object_cache(self._save, self._load)
         self.engine.finalize_object()
         address = self.engine.get_function_address("jl_step")
@@ -147,10 +176,10 @@ class CpuProgram(Program):
         self.stamps = CpuBuffer(device, 8 * (len(launches) + 1)) if timed else None
         stamps = bslot.setdefault(id(self.stamps), (len(bslot), self.stamps))[0] if timed else None
         kernels = [ln.kernel for ln in launches]
-        key = digest(LOWERING, slots, stamps, simd_width(), sorted(isa()), llvm.get_process_triple(),
-                     llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten(), llvmlite.__version__)
-        self.compiled = device.compile(key, lambda: str(lower.program_module(slots, kernels, simd_width(),
-                                                                             llvm.get_process_triple(), isa(), stamps)))
+        triple, cpu, features, _ = host()
+        key = digest(LOWERING, slots, stamps, simd_width(), sorted(isa()), triple, cpu, features, llvmlite.__version__)
+        self.compiled = device.compile(key, lambda: str(lower.program_module(slots, kernels, simd_width(), triple,
+                                                                             isa(), stamps)))
         self.scalar_slots = sslot
         self.keep = [b for _, b in bslot.values()]
         self.bufs = (ctypes.c_void_p * max(1, len(bslot)))(*[b.addr for _, b in sorted(bslot.values(), key=lambda t: t[0])])
@@ -188,7 +217,7 @@ class CpuDevice(Device):
     def __init__(self, name, threads, memory_bytes):
         self.name = name
         self.caps = Caps(memory_bytes=memory_bytes, bandwidth_Bps=0.0, subgroup_size=simd_width(), fp16=True,
-                         int8=True, host_visible=True, extra={"cpu": llvm.get_host_cpu_name()})
+                         int8=True, host_visible=True, extra={"cpu": host()[1]})
         self.used = 0
         self.compiled = {}  # program key -> Compiled, kept for the process's life (see Workers)
         self._lock = threading.Lock()
@@ -231,11 +260,16 @@ class CpuDevice(Device):
     def timed_program(self, launches):
         return CpuProgram(self, launches, timed=True)
 
+    def synchronize(self):
+        """Programs still compiling are finished (or their error raised)."""
+        for c in list(self.compiled.values()):
+            c.step
+
     def compile(self, key, text_fn):
         if key in self.compiled:
             return self.compiled[key]
         try:
-            self.compiled[key] = Compiled(key, text_fn)
+            self.compiled[key] = Compiled(key, text_fn, self.name)
             return self.compiled[key]
         except RuntimeError as e:  # llvmlite reports parse/verify/codegen failures as RuntimeError
             raise BackendError(f"{self.name}: LLVM compile failed: {e}") from None
