@@ -400,7 +400,7 @@ class Engine:
     def _count(self, pos, n):
         """Bytes each device's memory served this step: every unit's weights (a streamed unit's from its slot,
         after the copy) and the KV rows attention read."""
-        s, c = self.stats, self.config
+        s = self.stats
         s["steps"] += 1
         s["tokens"] += n
         kv_row = 2 * self.model.page_bytes() // self.model.page  # K and V of one position
