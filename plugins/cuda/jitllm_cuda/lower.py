@@ -26,8 +26,8 @@ Mapping (every kernel function uses blocks of BLOCK threads):
 """
 from __future__ import annotations
 
-import math
 import functools
+import math
 import re
 from dataclasses import dataclass
 
