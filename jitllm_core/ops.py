@@ -291,11 +291,12 @@ def exp(x):
 
 @functools.cache
 def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages: int, max_pages: int,
-              kv_dtype: str) -> ir.Kernel:
+              kv_dtype: str, wide=False) -> ir.Kernel:
     """Causal attention of each new token over the layer's paged KV cache (K pages transposed, `_k_index`):
     scores for every position into a scratch row, softmax over the row (vectorizable), then the weighted sum of
-    values."""
-    k = ir.Kernel(f"attn_{n_head}_{n_kv}x{head_dim}_T{T}_p{page}x{n_pages}_{kv_dtype}")
+    values. Page by page (a page's positions a vector of lanes), or, wide (a device of many threads, whose lanes
+    of a head outnumber a page's positions), every position at once and each value dimension over all of them."""
+    k = ir.Kernel(f"attn_{n_head}_{n_kv}x{head_dim}_T{T}_p{page}x{n_pages}_{kv_dtype}{'_wide' if wide else ''}")
     qw, kw, ctx = n_head * head_dim, n_kv * head_dim, max_pages * page
     k.buffer("q", "f32", T * qw), k.buffer("ptab", "i32", max_pages)
     k.buffer("kc", kv_dtype, n_pages * page * kw), k.buffer("vc", kv_dtype, n_pages * page * kw)
@@ -306,19 +307,27 @@ def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages:
     with k.parallel("th", n * n_head) as th:
         t, h = th // n_head, th % n_head
         qo, so, keys = t * qw + h * head_dim, th * ctx, pos + t + 1
-        # scores page by page, a lane per position: each dimension's keys one vector, its q a broadcast; the dot
-        # in `parts` sums of a slice of the dimensions each, so that as many multiply-add chains run at once
+        # scores, a lane per position: each dimension's keys one vector, its q a broadcast; the dot in `parts`
+        # sums of a slice of the dimensions each, so that as many multiply-add chains run at once
         parts = 4 if head_dim % 4 == 0 else 1
         span = head_dim // parts
-        with k.loop("p", (keys + page - 1) // page) as p:
-            pg = k.let("pg", k.load("ptab", p))
-            with k.loop("slot", page, "vector") as slot:
-                dots = [k.let(f"qk{i}", ir.reduce("add", "d", span, lambda d, i=i: k.load("q", qo + i * span + d)
-                                                  * k.load("kc", _k_index(pg, slot, h // group, i * span + d,
-                                                                          n_kv, head_dim, page))))
-                        for i in range(parts)]
-                with k.if_(p * page + slot < keys):
-                    k.store("s", so + p * page + slot, sum(dots[1:], dots[0]) * scale)
+
+        def score(pg, slot):
+            dots = [k.let(f"qk{i}", ir.reduce("add", "d", span, lambda d, i=i: k.load("q", qo + i * span + d)
+                                              * k.load("kc", _k_index(pg, slot, h // group, i * span + d, n_kv,
+                                                                      head_dim, page))))
+                    for i in range(parts)]
+            return sum(dots[1:], dots[0]) * scale
+        if wide:
+            with k.loop("j", keys, "vector") as j:
+                k.store("s", so + j, score(k.let("pg", k.load("ptab", j // page)), j % page))
+        else:
+            with k.loop("p", (keys + page - 1) // page) as p:
+                pg = k.let("pg", k.load("ptab", p))
+                with k.loop("slot", page, "vector") as slot:
+                    sc = score(pg, slot)
+                    with k.if_(p * page + slot < keys):
+                        k.store("s", so + p * page + slot, sc)
         k.barrier()
         m = k.let("m", ir.reduce("max", "j", keys, lambda j: k.load("s", so + j), "reduce"))
         k.barrier()
@@ -326,6 +335,12 @@ def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages:
             k.store("s", so + j, exp(k.load("s", so + j) - m))
         k.barrier()
         inv = k.let("inv", 1.0 / ir.reduce("add", "j", keys, lambda j: k.load("s", so + j), "reduce"))
+        if wide:   # a lane per dimension, over every position
+            with k.loop("d", head_dim, "vector") as d:
+                k.store("out", qo + d, ir.reduce("add", "j", keys, lambda j: k.load("s", so + j) * k.load(
+                    "vc", _v_index(k.load("ptab", j // page), j % page, h // group, n_kv, head_dim, page) + d))
+                        * inv)
+            return k.finish()
         with k.loop("d", head_dim, "vector") as d:
             k.store("out", qo + d, 0.0)
         # values page by page, a lane per dimension: a page's weighted sum in registers, added to out once

@@ -269,6 +269,15 @@ def test_wide_row_dots_match_interpreter(name):
     assert_matches_interpreter(emu.EmuDevice(), k, bufs, {})
 
 
+@pytest.mark.skipif(not emu.available(), reason="no g++ for the host emulation")
+@pytest.mark.parametrize("name", ["attention_f16", "attention_wide"])
+def test_attention_matches_interpreter(name):
+    """Attention in both forms (the paged one, and the one GPUs get: a lane per position, then per dimension)."""
+    from test_ir import op_examples, op_inputs
+    k, scalars = op_examples()[name]
+    assert_matches_interpreter(emu.EmuDevice(), k, op_inputs(k), scalars, rtol=1e-4, atol=1e-4)
+
+
 def test_top_level_assign_in_control_flow_is_refused():
     k = ir.Kernel("bad_top")
     k.buffer("o", "f32", 1, True)

@@ -125,6 +125,8 @@ def op_examples():
         "kv_store_f16": (ops.kv_store(2, 8, T, page, n_pages, n_pages, "f16"), {"pos": 5, "n_tokens": 3}),
         "attention_f32": (ops.attention(4, 2, 8, T, page, n_pages, n_pages, "f32"), {"pos": 5, "n_tokens": 3}),
         "attention_f16": (ops.attention(4, 2, 8, T, page, n_pages, n_pages, "f16"), {"pos": 2, "n_tokens": 2}),
+        "attention_wide": (ops.attention(4, 2, 8, T, page, n_pages, n_pages, "f16", wide=True),
+                           {"pos": 5, "n_tokens": 3}),
         "silu_mul": (ops.silu_mul(16, T), {"n_tokens": 2}),
     }
 
@@ -155,11 +157,22 @@ def test_prefill_matmul_refuses_rows_that_are_not_whole_groups():
         ops.prefill_matmul(quant.FORMATS["F16"], 40, 32, 8)
 
 
-def test_cpu_attention_ignores_pool_positions_past_the_keys(cpu):
+def test_wide_attention_is_the_same_op():
+    """The form for devices of many threads (every position at once) computes what the paged form does."""
+    page, n_pages, scalars = 4, 6, {"pos": 9, "n_tokens": 3}
+    paged, wide = (ops.attention(4, 2, 8, 3, page, n_pages, n_pages, "f32", wide=w) for w in (False, True))
+    bufs = op_inputs(paged)
+    want = interp.run(paged, {b: v.copy() for b, v in bufs.items()}, scalars)["out"]
+    got = interp.run(wide, {b: v.copy() for b, v in bufs.items()}, scalars)["out"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["paged", "wide"])
+def test_cpu_attention_ignores_pool_positions_past_the_keys(cpu, wide):
     """What the pool holds past the last key (a page's unwritten slots: anything, NaN included) changes nothing."""
     n_head, n_kv, hd, page, n_pages = 4, 2, 8, 4, 6
     pos, n = 4, 2   # keys 0..5: the second page's last two slots are past them
-    k = ops.attention(n_head, n_kv, hd, 3, page, n_pages, n_pages, "f32")
+    k = ops.attention(n_head, n_kv, hd, 3, page, n_pages, n_pages, "f32", wide=wide)
     bufs = op_inputs(k)
     where = np.argsort(bufs["ptab"])  # pool page -> the sequence's page it holds
     idx = np.arange(bufs["kc"].size)
