@@ -162,15 +162,19 @@ class Q6_K(Format):
         """d * scale i of the block (the 16 sub-blocks' scales)."""
         return _half(k, buf, base + 208) * F(_i8(k.load(buf, base + 192 + i)))
 
+    @staticmethod
+    def quads(k, buf, base, n, l):
+        """The 6-bit values of position l of half n: its 4 weights, 32 columns apart."""
+        a, b = k.load(buf, base + 64 * n + l), k.load(buf, base + 64 * n + 32 + l)
+        qh = k.load(buf, base + 128 + 32 * n + l)
+        return [(a & 15) | ((qh & 3) << 4), (b & 15) | (((qh >> 2) & 3) << 4),
+                (a >> 4) | (((qh >> 4) & 3) << 4), (b >> 4) | (((qh >> 6) & 3) << 4)]
+
     def terms(self, k, buf, base, g, j):
         n, h = g // 2, g % 2
         l = h * 16 + j
-        a, b = k.load(buf, base + 64 * n + l), k.load(buf, base + 64 * n + 32 + l)
-        qh = k.load(buf, base + 128 + 32 * n + l)
-        sc = lambda q: self.scale(k, buf, base, 8 * n + h + 2 * q)
-        q = [(a & 15) | ((qh & 3) << 4), (b & 15) | (((qh >> 2) & 3) << 4),
-             (a >> 4) | (((qh >> 4) & 3) << 4), (b >> 4) | (((qh >> 6) & 3) << 4)]
-        return [(128 * n + 32 * i + l, sc(i) * F(q[i] - 32)) for i in range(4)]
+        q = self.quads(k, buf, base, n, l)
+        return [(128 * n + 32 * i + l, self.scale(k, buf, base, 8 * n + h + 2 * i) * F(q[i] - 32)) for i in range(4)]
 
     # wide form: 8 lanes a block, lane e reading positions 4e..4e+3 of both halves (32 weights, whose 8 scales it
     # loads once; lane e of each group, the default, loads 16 scales for 16 weights)
@@ -182,10 +186,7 @@ class Q6_K(Format):
             sc = [self.scale(k, buf, base, 8 * n + e // 4 + 2 * i) for i in range(4)]
             for m in range(4):
                 l = e * 4 + m
-                a, b = k.load(buf, base + 64 * n + l), k.load(buf, base + 64 * n + 32 + l)
-                qh = k.load(buf, base + 128 + 32 * n + l)
-                q = [(a & 15) | ((qh & 3) << 4), (b & 15) | (((qh >> 2) & 3) << 4),
-                     (a >> 4) | (((qh >> 4) & 3) << 4), (b >> 4) | (((qh >> 6) & 3) << 4)]
+                q = self.quads(k, buf, base, n, l)
                 out += [(128 * n + 32 * i + l, sc[i] * F(q[i] - 32)) for i in range(4)]
         return out
 
