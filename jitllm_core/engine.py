@@ -273,8 +273,8 @@ class Engine:
             seg.program, seg.prefill = (dev.program([ln for u in seg.units for ln in
                                                      self._bind(u, seg.device, (kvs or {}).get(u), slot, pre)])
                                         for pre in (False, True))
-        for d in {seg.device for seg in segs}:
-            self.devices[d].synchronize()   # a device may compile in the background: programs ready to run
+        for seg in segs:   # compile errors come from here, not from the first step
+            seg.program.ready(), seg.prefill.ready()
         self.progress("compiling kernels", len(segs), len(segs))
         return segs
 

@@ -88,6 +88,10 @@ class Program:
     def run(self, values: dict):
         raise NotImplementedError
 
+    def ready(self):
+        """Wait until the program can run, raising its compile error if it has one (a device may compile in the
+        background, so that the engine lowers the next program meanwhile). Default: ready when made."""
+
 
 @dataclass
 class Caps:

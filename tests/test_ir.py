@@ -193,15 +193,15 @@ def test_cpu_ops_match_interpreter(cpu, op):
 
 
 def test_cpu_llvm_compile_error_names_the_device(cpu, tmp_path, monkeypatch):
-    """A module LLVM refuses (compiled on LLVM's own thread, while the caller goes on): a clear error from the
-    device's synchronize, as the engine calls it before running programs, and again from the program's step."""
+    """A module LLVM refuses (compiled on LLVM's own thread, while the caller goes on): a clear error when it is
+    waited for (a program's ready(), as the engine calls it before running programs), and again at each wait."""
     from jitllm_core.errors import BackendError
     monkeypatch.setenv("JITLLM_CACHE_DIR", str(tmp_path))
     compiled = cpu.compile("not-a-module", lambda: "define void @jl_step( {")
     try:
         with pytest.raises(BackendError, match=rf"{cpu.name}: LLVM compile failed"):
-            cpu.synchronize()
+            compiled.wait()
         with pytest.raises(BackendError, match="LLVM compile failed"):
-            compiled.step
+            compiled.wait()
     finally:
         del cpu.compiled["not-a-module"]

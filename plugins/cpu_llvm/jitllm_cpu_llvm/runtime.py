@@ -78,7 +78,7 @@ _LLVM = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jitllm-llvm
 class Compiled:
     """A JIT-compiled program module, its object code cached on disk under `key` (what the module is made of:
     kernels, bindings, this lowering's source, the CPU), so that a warm start neither lowers nor compiles. Not
-    cached: lowered to LLVM IR text on the caller's thread, compiled on LLVM's; `step` waits for it."""
+    cached: lowered to LLVM IR text on the caller's thread, compiled on LLVM's; `wait` waits for it."""
 
     def __init__(self, key: str, text_fn, device_name="cpu"):
         self.path, self.device_name = cache_dir("cpu") / f"{key}.o", device_name
@@ -96,8 +96,8 @@ class Compiled:
         optimize(mod)
         return self._engine(mod)
 
-    @property
-    def step(self):
+    def wait(self):
+        """The compiled step function, once LLVM is done (its error raised as a BackendError)."""
         if self._step is None:
             try:
                 self._step = self._compiling.result()
@@ -186,10 +186,13 @@ class CpuProgram(Program):
         self.scal = (ctypes.c_int32 * max(1, len(sslot)))()
         self.counters = CpuBuffer(device, 4 * lower.CLAIM_STRIDE * max(1, sum(map(lower.claim_counters, kernels))))
 
+    def ready(self):
+        self.compiled.wait()
+
     def run(self, values):
         for name, i in self.scalar_slots.items():
             self.scal[i] = int(values[name])
-        self.device.workers.run(self.compiled.step, ctypes.addressof(self.bufs), ctypes.addressof(self.scal),
+        self.device.workers.run(self.compiled.wait(), ctypes.addressof(self.bufs), ctypes.addressof(self.scal),
                                 self.counters.addr)
         if self.stamps is not None:
             return list(np.diff(self.stamps.arr.view(np.int64)) * 1e-9)
@@ -259,11 +262,6 @@ class CpuDevice(Device):
 
     def timed_program(self, launches):
         return CpuProgram(self, launches, timed=True)
-
-    def synchronize(self):
-        """Programs still compiling are finished (or their error raised)."""
-        for c in list(self.compiled.values()):
-            c.step
 
     def compile(self, key, text_fn):
         if key in self.compiled:
