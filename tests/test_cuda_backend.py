@@ -166,19 +166,10 @@ def staged_serial(rows=6, cols=203):
     return k.finish()
 
 
-def wide_dot(name, rows=5, cols=768):
-    """A quantized format's row dot in the form GPUs get (Format.row_dot(wide=True)), with its weights and input:
-    (kernel, buffers)."""
-    from jitllm_core import quant
-    from test_quant_formats import random_tensor
-    rng = np.random.default_rng(3)
-    w, _ = random_tensor(name, rows, cols, rng)
-    fmt = quant.get_format(name, cols)
-    k = ir.Kernel(f"wide_dot_{name}")
-    k.buffer("w", fmt.storage, w.size), k.buffer("x", "f32", cols), k.buffer("y", "f32", rows, True)
-    with k.parallel("r", rows) as r:
-        k.store("y", r, fmt.row_dot(k, "w", r, cols, lambda c: k.load("x", c), wide=True))
-    return k.finish(), {"w": w, "x": rng.standard_normal(cols).astype(np.float32), "y": np.zeros(rows, np.float32)}
+def wide_dot(name):
+    """A quantized format's row dots in the form GPUs get (Format.row_dot(wide=True)): (kernel, buffers)."""
+    from test_quant_formats import row_dot_case
+    return row_dot_case(name, True, 3)[:2]
 
 
 WIDE = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]

@@ -41,20 +41,26 @@ def test_dequantize_matches_gguf(cpu, name, rows):
     np.testing.assert_array_equal(got.reshape(rows, cols), ref)
 
 
-@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
-@pytest.mark.parametrize("name", sorted(quant.FORMATS))
-def test_row_dot_matches_gguf(cpu, name, wide):
-    rows, cols = 5, 768
-    rng = np.random.default_rng(7)
+def row_dot_case(name, wide, seed, rows=5, cols=768):
+    """A kernel of a format's row dots (Format.row_dot, in the CPU's form or the GPUs' wide one) on random blocks:
+    (kernel, buffers, the weights as gguf dequantizes them)."""
+    rng = np.random.default_rng(seed)
     w, ref = random_tensor(name, rows, cols, rng)
     fmt = quant.get_format(name, cols)
     k = ir.Kernel(f"dot_{name}{'_wide' if wide else ''}")
     k.buffer("w", fmt.storage, w.size), k.buffer("x", "f32", cols), k.buffer("y", "f32", rows, True)
     with k.parallel("r", rows) as r:
         k.store("y", r, fmt.row_dot(k, "w", r, cols, lambda c: k.load("x", c), wide))
-    x = rng.standard_normal(cols).astype(np.float32)
-    y = run_on_device(cpu, k.finish(), {"w": w, "x": x, "y": np.zeros(rows, np.float32)}, {})["y"]
-    want = ref.astype(np.float64) @ x
+    bufs = {"w": w, "x": rng.standard_normal(cols).astype(np.float32), "y": np.zeros(rows, np.float32)}
+    return k.finish(), bufs, ref
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
+@pytest.mark.parametrize("name", sorted(quant.FORMATS))
+def test_row_dot_matches_gguf(cpu, name, wide):
+    k, bufs, ref = row_dot_case(name, wide, 7)
+    y = run_on_device(cpu, k, bufs, {})["y"]
+    want = ref.astype(np.float64) @ bufs["x"]
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
