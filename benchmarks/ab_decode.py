@@ -27,7 +27,7 @@ def main():
     args = ap.parse_args()
     path, values = args.set[0].split("."), [ast.literal_eval(v) for v in args.set[1:]]
     owner = functools.reduce(getattr, path[1:-1], importlib.import_module(f"jitllm_core.{path[0]}"))
-    engines = {}
+    engines = []  # (value, engine): a value may be unhashable (a dict)
     for v in values:
         setattr(owner, path[-1], v)
         for f in vars(ops).values():
@@ -36,12 +36,12 @@ def main():
         eng = jl.Engine(args.model, devices=["cpu"], threads=args.threads, max_context=512)
         ids = bench.prompt_ids(eng.tokenizer, 32)
         bench.jitllm_once(eng, ids, 2)  # warm-up
-        engines[v] = eng
-    runs = {v: [] for v in values}
+        engines.append((v, eng))
+    runs = [[] for _ in values]
     for _ in range(args.rounds):
-        for v, eng in engines.items():
-            runs[v].append(bench.jitllm_once(eng, ids, args.decode_tokens)[1])
-    for v, r in runs.items():
+        for (v, eng), r in zip(engines, runs):
+            r.append(bench.jitllm_once(eng, ids, args.decode_tokens)[1])
+    for v, r in zip(values, runs):
         print(f"{args.set[0]} = {v!r}: {args.threads} thread(s), decode tok/s median {np.median(r):.2f} "
               f"(runs {', '.join(f'{x:.2f}' for x in r)})")
 

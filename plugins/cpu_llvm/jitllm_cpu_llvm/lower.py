@@ -12,8 +12,8 @@ loop sharing what they load, two vectors of lanes per iteration, unrolled reduce
 four chains; stores under a lane-varying `if` are masked. What quantized weights need is recognized in the
 IR rather than written per format: a little-endian field assembled from bytes is one wide load, a float of a
 function of 4 bits is one table lookup (vpermps), addresses keep each index term's offset visible, and a
-sum of `dot4`s accumulates each into the sum so far (VNNI's vpdpbusd; pmaddubsw where the CPU has no VNNI and
-the bytes are provably small). Weights streamed from memory are prefetched a few KB ahead (into L1) and further
+sum of `dot4`s accumulates each into the sum so far (VNNI's vpdpbusd; where the CPU has no VNNI and the bytes are
+provably small, pmaddubsw's pair sums add up as i16 as far as their bound allows, then widen once). Weights streamed from memory are prefetched a few KB ahead (into L1) and further
 (into L2), once per address.
 A program module adds `step(ptr bufs, ptr scalars, tid, nth, barrier, counters)` that calls every launch's kernel in
 order (through functions of STEP_PART launches each) with a barrier after each that a later launch depends on.
@@ -124,9 +124,49 @@ def _identity(op, dtype):
     return {"add": 0, "max": -2**31, "min": 2**31 - 1}[op]
 
 
+class Dot4Sum:
+    """An i32 sum of dot4s and other i32 terms, built as one chain: with VNNI each dot4 adds into the sum
+    (vpdpbusd); without it, the pmaddubsw pair sums of dot4s whose x bytes are provably small add up as i16 while
+    their bound stays within i16 (8 dot4s of nibbles by signed bytes: 8 x 2 x 15 x 128 = 30720), then widen into
+    the sum with one pmaddwd -- the same integers, one widening per run instead of per dot4."""
+
+    def __init__(self, low):
+        self.low, self.acc, self.pairs, self.bound = low, None, None, 0
+
+    def add(self, t, venv):
+        low = self.low
+        if not _is_dot4(t):
+            self._into(low.to_vec(low.vexpr(t, venv), "i32"))
+            return
+        x, y = (low.to_vec(low.vexpr(a, venv), "i32") for a in (t.a, t.b))
+        top = _byte_max(t.a)
+        pairs = low.dot4_pairs(x, y, top)
+        if pairs is None:
+            self.acc = low.dot4(x, y, self.acc, top)
+            return
+        bound = 2 * 128 * top  # |x0 y0 + x1 y1| with y's bytes signed
+        if self.bound + bound > 32767:
+            self._flush()
+        self.pairs = pairs if self.pairs is None else low.b.add(self.pairs, pairs)
+        self.bound += bound
+
+    def _into(self, v):
+        self.acc = v if self.acc is None else self.low.b.add(self.acc, v)
+
+    def _flush(self):
+        if self.pairs is not None:
+            self._into(self.low.widen_pairs(self.pairs))
+        self.pairs, self.bound = None, 0
+
+    def value(self):
+        self._flush()
+        return self.acc
+
+
 class KernelLowering:
     def __init__(self, module: L.Module, kernel: ir.Kernel, width: int, isa=frozenset()):
         self.k, self.W, self.isa = kernel, width, isa
+        self.registers = 32 if width == 16 else 16  # x86's vector registers: AVX-512's 32, AVX2's 16
         args = [PTR] * len(kernel.buffers) + [I32] * len(kernel.scalars) + [I32, I32, PTR, PTR]
         self.fn = L.Function(module, L.FunctionType(VOID, args), name=f"k_{kernel.name}_{kernel.key()}")
         self.fn.attributes.add("noinline")
@@ -396,23 +436,19 @@ class KernelLowering:
             return b.select(b.icmp_signed("<" if op == "min" else ">", y, x), y, x)
         return b.icmp_signed({"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}[op], x, y)
 
-    def dot4(self, x, y, acc=None, small=False):
+    def dot4(self, x, y, acc=None, top=255):
         """IR dot4 of x and y (plus acc): one vpdpbusd where the CPU has VNNI for the vector's width (the add into
-        acc included); where it has not, and x's bytes are `small` (below 128: pmaddubsw's pair sums cannot
-        saturate), pmaddubsw and pmaddwd; else the bytes widened, multiplied and summed in fours."""
+        acc included); where it has not, and x's bytes are at most `top` < 128, pmaddubsw and pmaddwd; else the
+        bytes widened, multiplied and summed in fours."""
         b = self.b
         n = x.type.count if isinstance(x.type, L.VectorType) else 1
         bt = L.VectorType(I8, 4 * n)
-        if n == 16 and "avx512vnni" in self.isa or n == 8 and ("avxvnni" in self.isa or
-                                                               {"avx512vnni", "avx512vl"} <= self.isa):
+        if self.vnni(n):
             fn = self.declare(f"llvm.x86.avx512.vpdpbusd.{32 * n}", x.type, [x.type, bt, bt])
             return b.call(fn, [L.Constant(x.type, None) if acc is None else acc, b.bitcast(x, bt), b.bitcast(y, bt)])
-        madd = {16: ("avx512bw", "llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512"),
-                8: ("avx2", "llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd")}.get(n)
-        if small and madd and madd[0] in self.isa:
-            ht = L.VectorType(I16, 2 * n)
-            pairs = b.call(self.declare(madd[1], ht, [bt, bt]), [b.bitcast(x, bt), b.bitcast(y, bt)])
-            v = b.call(self.declare(madd[2], x.type, [ht, ht]), [pairs, L.Constant(ht, [1] * 2 * n)])
+        pairs = self.dot4_pairs(x, y, top)
+        if pairs is not None:
+            v = self.widen_pairs(pairs)
         else:
             wt = L.VectorType(I32, 4 * n)
             prod = b.mul(b.zext(b.bitcast(x, bt), wt), b.sext(b.bitcast(y, bt), wt))
@@ -421,6 +457,34 @@ class KernelLowering:
             v = b.add(b.add(fours[0], fours[1]), b.add(fours[2], fours[3]))
             v = v if n > 1 else b.extract_element(v, L.Constant(I32, 0))
         return v if acc is None else b.add(acc, v)
+
+    def vnni(self, n):
+        """Whether the CPU has VNNI's byte dot for vectors of n i32."""
+        return n == 16 and "avx512vnni" in self.isa or n == 8 and ("avxvnni" in self.isa or
+                                                                    {"avx512vnni", "avx512vl"} <= self.isa)
+
+    def _madd(self, n):
+        """(pmaddubsw, pmaddwd) for vectors of n i32 where the CPU has them, else None"""
+        madd = {16: ("avx512bw", "llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512"),
+                8: ("avx2", "llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd")}.get(n)
+        return madd[1:] if madd and madd[0] in self.isa else None
+
+    def dot4_pairs(self, x, y, top):
+        """pmaddubsw of x's and y's bytes: each lane's two i16 sums of byte pairs, exact (no saturation) when x's
+        bytes are at most top < 128; None where that does not apply (or VNNI does it in one)."""
+        n = x.type.count if isinstance(x.type, L.VectorType) else 1
+        madd = self._madd(n)
+        if top >= 128 or madd is None or self.vnni(n):
+            return None
+        bt, ht = L.VectorType(I8, 4 * n), L.VectorType(I16, 2 * n)
+        return self.b.call(self.declare(madd[0], ht, [bt, bt]), [self.b.bitcast(x, bt), self.b.bitcast(y, bt)])
+
+    def widen_pairs(self, pairs):
+        """Each lane's two i16 sums added into one i32 (pmaddwd by ones)."""
+        ht = pairs.type
+        n = ht.count // 2
+        fn = self.declare(self._madd(n)[1], L.VectorType(I32, n), [ht, ht])
+        return self.b.call(fn, [pairs, L.Constant(ht, [1] * 2 * n)])
 
     def unop(self, op, x, dt):
         b = self.b
@@ -596,7 +660,7 @@ class KernelLowering:
             if x.kind == "u" and y.kind == "u":
                 return VVal("u", self.binop(e.op, x.val, y.val, e.a.dtype))
             if e.op == "dot4":
-                return VVal("v", self.dot4(self.to_vec(x, "i32"), self.to_vec(y, "i32"), small=_small_bytes(e.a)))
+                return VVal("v", self.dot4(self.to_vec(x, "i32"), self.to_vec(y, "i32"), top=_byte_max(e.a)))
             if e.a.dtype == "i32" and "v" not in (x.kind, y.kind):  # keep affine indices affine
                 if e.op in ("add", "sub"):
                     f, sign = (b.add, 1) if e.op == "add" else (b.sub, -1)
@@ -626,51 +690,76 @@ class KernelLowering:
             return VVal("v", b.select(self.to_vec(c, "bool"), self.to_vec(x, e.dtype), self.to_vec(y, e.dtype)))
         raise NotVectorizable(repr(e))
 
-    def dot4_sum(self, terms, venv, acc=None):
-        """A sum of i32 terms (onto acc), each dot4 adding into the sum so far (one vpdpbusd each)."""
+    def dot4_sum(self, terms, venv):
+        """A sum of i32 terms, dot4s among them (see Dot4Sum)."""
+        acc = Dot4Sum(self)
         for t in terms:
-            if _is_dot4(t):
-                acc = self.dot4(self.to_vec(self.vexpr(t.a, venv), "i32"), self.to_vec(self.vexpr(t.b, venv), "i32"),
-                                acc, _small_bytes(t.a))
-            else:
-                v = self.to_vec(self.vexpr(t, venv), "i32")
-                acc = v if acc is None else self.b.add(acc, v)
-        return acc
+            acc.add(t, venv)
+        return acc.value()
 
     def unrolled_reduce(self, e, venv):
         """An unrolled reduce in a vector body: its iterations' summands spread over UNROLL_ACCS chains of
-        multiply-adds (or of dot4s, each adding into its chain), so that the add latency does not bound it,
-        joined at the end."""
+        multiply-adds, so that the add latency does not bound it, joined at the end (a sum of dot4s: see
+        dot4_reduces)."""
+        if _dot4_reduce(e):
+            return self.dot4_reduces([e], [venv], [self.memo])[0][0]
         dt, chains, n = e.value.dtype, [], 0
-        self.memo.setdefault(PREFETCHED, set())  # shared by the iterations' memos, as what they load is
         terms = _terms(e.value) if e.op == "add" else [e.value]
-        # a sum of dot4s (a sub-block's bytes times one digit) keeps one chain: its kind comes many to a block, which
-        # overlap each other, and joining chains would cost more adds than the dot4s save waiting
-        dot4s = e.op == "add" and all(_is_dot4(t) for t in terms)
-        n_chains = 1 if dot4s else UNROLL_ACCS
+        self.memo.setdefault(PREFETCHED, set())  # shared by the iterations' memos, as what they load is
         for j in range(e.extent.value):
             saved = self.memo
             self.memo = dict(saved)  # values of the enclosing body stay shared; this iteration's are its own
-            # consecutive iterations read consecutive vectors of bytes (interleaved weights): one prefetch per line
-            self.prefetching = j % max(1, 64 // self.W) == 0
-            env = {**venv, e.var: VVal("u", L.Constant(I32, j))}
+            self.prefetching = j % max(1, 64 // self.W) == 0  # one prefetch per line (see dot4_reduces)
             for t in terms:
-                chain = chains[n % n_chains] if len(chains) == n_chains else None
-                if dot4s:
-                    v = self.dot4_sum([t], env, chain)
-                else:
-                    v = self.to_vec(self.vexpr(t, env), dt)
-                    v = v if chain is None else self.combine(e.op, chain, v, dt)
+                chain = chains[n % UNROLL_ACCS] if len(chains) == UNROLL_ACCS else None
+                v = self.to_vec(self.vexpr(t, {**venv, e.var: VVal("u", L.Constant(I32, j))}), dt)
                 if chain is None:
                     chains.append(v)
                 else:
-                    chains[n % n_chains] = v
+                    chains[n % UNROLL_ACCS] = self.combine(e.op, chain, v, dt)
                 n += 1
             self.memo = saved
         self.prefetching = True
         while len(chains) > 1:
             chains = [self.combine(e.op, a, b, dt) for a, b in zip(chains[::2], chains[1::2])] + chains[len(chains) // 2 * 2:]
         return VVal("v", chains[0])
+
+    def dot4_reduces(self, reds, venvs, memos):
+        """Unrolled sums of dot4s over the same extent, for each vector of lanes (venvs, each with its memo),
+        computed together iteration by iteration, the vectors innermost, one chain each (a Dot4Sum: the kind comes
+        many to a block, which overlap each other, and joining chains would cost more adds than the dot4s save
+        waiting). Returns, per venv, the sums."""
+        saved, sums = self.memo, [[Dot4Sum(self) for _ in reds] for _ in venvs]
+        for m in memos:
+            m.setdefault(PREFETCHED, set())  # shared by the iterations' memos, as what they load is
+        for j in range(reds[0].extent.value):
+            its = [dict(m) for m in memos]  # the enclosing body's values stay shared; this iteration's are its own
+            # consecutive iterations read consecutive vectors of bytes (interleaved weights): one prefetch per line
+            self.prefetching = j % max(1, 64 // self.W) == 0
+            for i, r in enumerate(reds):
+                for u, venv in enumerate(venvs):
+                    self.memo = its[u]
+                    for t in _terms(r.value):
+                        sums[u][i].add(t, {**venv, r.var: VVal("u", L.Constant(I32, j))})
+        self.memo, self.prefetching = saved, True
+        return [[VVal("v", acc.value()) for acc in row] for row in sums]
+
+    def joint_dot4_reduces(self, e, venvs, memos):
+        """The unrolled sums of dot4s in e that read the same words each iteration -- a sub-block's sums, one per
+        digit of the input -- computed together for every vector of lanes (memoized for e's evaluation): a word
+        loaded and split into nibbles feeds every digit's dot and is dropped, and an input word broadcast feeds
+        every vector. One sum, or one vector, after another, the words would stay live across them all, more than
+        AVX2's 16 registers hold (spilled)."""
+        consts = {n: v.val.constant for n, v in venvs[0].items() if v.kind == "u" and isinstance(v.val, L.Constant)}
+        groups = {}
+        for r in _dot4_reduces_in(e):
+            if id(r) not in memos[0]:
+                words = frozenset(_address_key(ld.index, {**consts, r.var: 0}) for t in _terms(r.value)
+                                  for ld in _loads(t.a))
+                groups.setdefault((r.var, r.extent.value, words), []).append(r)
+        for reds in groups.values():
+            for m, row in zip(memos, self.dot4_reduces(reds, venvs, memos)):
+                m.update((id(r), (r, v)) for r, v in zip(reds, row))
 
     def lane_pointers(self, buf, idx):
         """The address of element idx of buf in each lane (for a gather or a scatter)."""
@@ -747,8 +836,9 @@ class KernelLowering:
                 st = s.body[j]
                 if isinstance(st, ir.Let) and self.lane_reduce(st.value):
                     run = self.sibling_lane_reduces(s.body, j)
-                    for venv, vals in zip(venvs, self.lane_reduces([let.value for let in run], venvs)):
-                        venv.update((let.name, v) for let, v in zip(run, vals))
+                    for tile in self.register_tiles(run, s.var, jam):
+                        for venv, vals in zip(venvs, self.lane_reduces([let.value for let in tile], venvs)):
+                            venv.update((let.name, v) for let, v in zip(tile, vals))
                     j += len(run)
                     continue
                 j += 1
@@ -815,6 +905,26 @@ class KernelLowering:
             names.add(s.name)
         return run
 
+    def register_tiles(self, run, lane_var, jam):
+        """A run of sibling lane reduces in loops of as many as three quarters of the vector registers hold as
+        accumulators (jam each), the rest left for what they load: reduces that load the same vector of lanes
+        (a register tile's row group) together, so that each loaded vector still feeds all its accumulators.
+        The IR's tile (a prefill matmul's 4 x 6) fits AVX-512's 32 registers; with AVX2's 16 it would spill."""
+        n = max(1, self.registers * 3 // 4 // jam)
+        clusters = {}
+        for let in run:
+            key = frozenset(_address_key(ld.index, {}) for ld in _loads(let.value.value)
+                            if lane_var in _var_names(ld.index))
+            clusters.setdefault(key, []).append(let)
+        tiles = [[]]
+        for cluster in clusters.values():
+            for c in range(0, len(cluster), n):
+                piece = cluster[c:c + n]
+                if len(tiles[-1]) + len(piece) > n:
+                    tiles.append([])
+                tiles[-1] += piece
+        return tiles
+
     def lane_reduces(self, reds, venvs):
         """Reduces over one uniform loop, each lane accumulating its own value: a scalar loop with one vector
         accumulator per reduce and vector of lanes (outer-loop vectorization). Returns, per venv, the values.
@@ -831,12 +941,12 @@ class KernelLowering:
             self.env[first.var] = c
             memos = [{} for _ in venvs]
             for i, e in enumerate(reds):
-                for u, venv in enumerate(venvs):
-                    self.memo, acc = memos[u], accs[u][i]
-                    for t in _terms(e.value) if e.op == "add" else [e.value]:
+                for t in _terms(e.value) if e.op == "add" else [e.value]:
+                    self.joint_dot4_reduces(t, venvs, memos)
+                    for u, venv in enumerate(venvs):
+                        self.memo, acc = memos[u], accs[u][i]
                         v = self.to_vec(self.vexpr(t, venv), dt)
                         self.b.store(self.combine(e.op, self.b.load(acc), v, dt), acc)
-                    memos[u] = self.memo
             del self.env[first.var]
             self.memo = {}
 
@@ -1084,9 +1194,30 @@ def _is_dot4(e):
     return isinstance(e, ir.Bin) and e.op == "dot4"
 
 
-def _small_bytes(e):
-    """Whether every byte of i32 e is below 128 (pmaddubsw's pair sums of them cannot saturate)."""
-    return _bits(e) & 0x80808080 == 0
+def _dot4_reduce(e):
+    return isinstance(e, ir.Reduce) and e.op == "add" and _unrolled(e) and all(_is_dot4(t) for t in _terms(e.value))
+
+
+def _dot4_reduces_in(e, seen=None):
+    """The unrolled sums of dot4s in e (not inside another reduce), in order."""
+    seen = set() if seen is None else seen
+    if id(e) in seen:
+        return []
+    seen.add(id(e))
+    if isinstance(e, ir.Reduce):
+        return [e] if _dot4_reduce(e) else []
+    return [r for c in _children(e) for r in _dot4_reduces_in(c, seen)]
+
+
+def _loads(e):
+    """The loads in e."""
+    return ([e] if isinstance(e, ir.Load) else []) + [ld for c in _children(e) for ld in _loads(c)]
+
+
+def _byte_max(e):
+    """The largest value any byte of i32 e can have (from the bits it can have set)."""
+    bits = _bits(e)
+    return max((bits >> 8 * i) & 255 for i in range(4))
 
 
 def _address_key(e, consts):
