@@ -239,7 +239,7 @@ class Llama:
         the whole pool)."""
         self.mf, self.cfg, self.T = mf, mf.config, T
         self.page, self.n_pages, self.kv_dtype = page, n_pages, kv_dtype
-        self.digits = digits  # of the dot4 layouts' inputs: quant.DIGITS (as exact as f32) or quant.INT8
+        self.digits = digits  # of the dot4 layouts' inputs: quant.DIGITS (as accurate as f32) or quant.INT8
         cfg = self.cfg
         if cfg.n_head % cfg.n_kv or cfg.head_dim % 2:
             raise ModelFileError(mf.path, f"unsupported head layout ({cfg.n_head} heads, {cfg.n_kv} kv heads, "
