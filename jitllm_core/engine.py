@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import faults, ir, quant, registry
+from . import faults, ir, ops, quant, registry
 from .errors import ContextLimitError, JitllmError
 from .kvcache import PagePool, Sequence
 from .llama import Llama, ModelFile, interleaves
@@ -237,7 +237,8 @@ class Engine:
         weight = (lambda n: ds.weights[n][0]) if slot is None else (lambda n: ds.slots[slot][_role(n)])
         # a device may decline the prefill matmul (Caps.extra["prefill_matmul"]): its prefill then runs the decode one
         prefill = prefill and self.devices[dev_name].caps.extra.get("prefill_matmul", True)
-        for lt in self.model.unit_launches(unit, prefill, self._interleaves(dev_name)):
+        groups = ops.tile_groups(self.devices[dev_name].caps.registers)
+        for lt in self.model.unit_launches(unit, prefill, self._interleaves(dev_name), groups):
             bufs = {}
             for param, ref in lt.buffers.items():
                 kind, name = ref.split(":", 1)

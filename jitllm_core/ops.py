@@ -145,23 +145,33 @@ def gemm_block(fmt: Format, width: int) -> int:
                 if width % b == 0)
 
 
-def _prefill_tiles(fmt: Format, rows: int, width: int) -> tuple[int, int, int]:
+def tile_groups(registers: int) -> int:
+    """Row groups of the prefill matmul's register tile on a device whose thread holds `registers` f32 values in
+    vector registers (Caps.registers): GEMM_GROUPS where its accumulators and a weight vector per group fit
+    (AVX-512's 32 x 16), fewer where not (AVX2's 16 x 8: one group, whose block of scratch then stays in L1 for
+    every token tile -- 71-72 against 50-64 GFLOP/s for 4 groups split by the lowering); not said: GEMM_GROUPS."""
+    fits = [g for g in range(GEMM_GROUPS, 0, -1) if g * ROWS * (GEMM_TOKENS + 1) <= registers]
+    return fits[0] if fits and registers else GEMM_GROUPS
+
+
+def _prefill_tiles(fmt: Format, rows: int, width: int, groups: int) -> tuple[int, int, int]:
     """(row groups of a tile, columns of a block, parallel slices) of a prefill matmul over `width` columns."""
-    G = next(g for g in range(GEMM_GROUPS, 0, -1) if rows % (g * ROWS) == 0)
+    G = next(g for g in range(groups, 0, -1) if rows % (g * ROWS) == 0)
     return G, gemm_block(fmt, width), min(GEMM_SLICES, rows // (G * ROWS))
 
 
-def prefill_scratch(fmt: Format, rows: int, width: int) -> int:
-    """f32 elements of a prefill matmul's `wdq` scratch: a block of a tile's rows per slice."""
-    G, blk, slices = _prefill_tiles(fmt, rows, width)
-    return slices * G * ROWS * blk
+def prefill_scratch(fmt: Format, rows: int, width: int, groups: int = GEMM_GROUPS) -> int:
+    """f32 elements of a prefill matmul's `wdq` scratch: a block of a tile's rows per slice (with `groups` or
+    fewer row groups a tile: enough for any tile of at most that many)."""
+    return max(s * G * ROWS * blk for G, blk, s in (_prefill_tiles(fmt, rows, width, g) for g in range(1, groups + 1)))
 
 
 @functools.cache
-def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=False, chunk_cols=0) -> ir.Kernel:
+def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=False, chunk_cols=0,
+                   groups=GEMM_GROUPS) -> ir.Kernel:
     """y[t, r] (+)= sum_c W[r, c] x[t, c] (+ b[r]) for t in [t0, n_tokens), W in layout fmt: a prefill step's matmul,
     whose weights are read once for all of the step's tokens. Each parallel iteration (a slice of the rows) takes
-    a register tile's rows at a time (GEMM_GROUPS groups of ROWS rows) and, block by block of columns,
+    a register tile's rows at a time (`groups` groups of ROWS rows: `tile_groups`) and, block by block of columns,
     dequantizes them into f32 scratch of its own (`wdq`: interleaved, W[r // ROWS, c, r % ROWS]; 64 KB, from
     L2), then multiplies that block by every token of the step: per column, one vector load per group
     (a lane per row) and one broadcast input value per token, GEMM_TOKENS tokens a tile, each value feeding the
@@ -171,7 +181,7 @@ def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, 
     width = chunk_cols or cols
     if rows % ROWS:
         raise ir.IRError(f"prefill matmul {rows}x{cols}: {rows} rows are not whole groups of {ROWS}")
-    G, blk, slices = _prefill_tiles(fmt, rows, width)
+    G, blk, slices = _prefill_tiles(fmt, rows, width, groups)
     N, tile_rows = min(T, GEMM_TOKENS), G * ROWS
     k = ir.Kernel(f"gemm_{fmt.name}_{rows}x{cols}_T{T}_{tile_rows}x{N}_b{blk}"
                   f"{f'_k{chunk_cols}' if chunk_cols else ''}{'_acc' if accumulate else ''}{'_bias' if bias else ''}")

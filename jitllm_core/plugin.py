@@ -103,6 +103,7 @@ class Caps:
     host_visible: bool = False     # device memory can be mapped by the host
     max_buffer_bytes: int = 1 << 62
     threads: int = 1               # parallel iterations it runs at once: CPU worker threads, a GPU's resident threads
+    registers: int = 0             # f32 values one thread holds in vector registers (0: not said): register tiles' size
     extra: dict = field(default_factory=dict)
 
 

@@ -219,8 +219,9 @@ class CpuDevice(Device):
 
     def __init__(self, name, threads, memory_bytes):
         self.name = name
-        self.caps = Caps(memory_bytes=memory_bytes, bandwidth_Bps=0.0, subgroup_size=simd_width(), fp16=True,
-                         int8=True, host_visible=True, extra={"cpu": host()[1]})
+        W = simd_width()
+        self.caps = Caps(memory_bytes=memory_bytes, bandwidth_Bps=0.0, subgroup_size=W, fp16=True, int8=True,
+                         host_visible=True, registers=W * (32 if W == 16 else 16), extra={"cpu": host()[1]})
         self.used = 0
         self.compiled = {}  # program key -> Compiled, kept for the process's life (see Workers)
         self._lock = threading.Lock()
