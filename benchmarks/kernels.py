@@ -105,7 +105,7 @@ def prefill(dev, rng, T=64, n=64):
         x = rng.standard_normal(T * cols).astype(np.float32)
         wb, xb, yb = upload(dev, w), upload(dev, x), dev.alloc(T * rows * 4)
         launches, values, wdq = [], {"n_tokens": n, "t0": 0}, []
-        for k, at in llama.prefill_matmuls(fmt, rows, cols, T):
+        for k, at in llama.prefill_matmuls(fmt, rows, cols, T, groups=ops.tile_groups(dev.caps.registers)):
             wdq.append(dev.alloc(k.buffers["wdq"].size * 4))
             names = {s: f"{s}_{v}" for s, v in at.items()}
             launches.append(Launch(k, {"w": wb, "x": xb, "y": yb, "wdq": wdq[-1]}, names))
@@ -116,16 +116,19 @@ def prefill(dev, rng, T=64, n=64):
             dev.free(b)
 
 
-def fma_peak(threads=1, chains=16, iterations=20_000_000):
-    """GFLOP/s of each of 5 runs of each of `threads` threads running at once nothing but independent 16-lane f32
-    multiply-adds (a bare LLVM loop of `chains` accumulators): what the cores' vector units can do, the bound for
-    any f32 gemm (the cores of a shared machine need not run at one speed)."""
-    v = "<16 x float>"
+def fma_peak(threads=1, iterations=20_000_000):
+    """GFLOP/s of each of 5 runs of each of `threads` threads running at once nothing but independent f32
+    multiply-adds of the CPU's vector width (a bare LLVM loop of accumulators that fit its registers: 16 of 16
+    lanes with AVX-512, 12 of 8 with AVX2): what the cores' vector units can do, the bound for any f32 gemm (the
+    cores of a shared machine need not run at one speed)."""
+    W = runtime.simd_width()
+    chains = 16 if W == 16 else 12
+    v, fma = f"<{W} x float>", f"@llvm.fma.v{W}f32"
     body = "".join(f"  %a{i} = phi {v} [splat (float {i}.0), %entry], [%b{i}, %loop]\n" for i in range(chains)) + \
-        "".join(f"  %b{i} = call {v} @llvm.fma.v16f32({v} %a{i}, {v} splat (float 0.5), {v} splat (float 0.25))\n"
+        "".join(f"  %b{i} = call {v} {fma}({v} %a{i}, {v} splat (float 0.5), {v} splat (float 0.25))\n"
                 for i in range(chains))
     total = "".join(f"  %s{i} = fadd {v} %s{i - 1}, %b{i}\n" for i in range(1, chains))
-    ir_text = (f"declare {v} @llvm.fma.v16f32({v}, {v}, {v})\n"
+    ir_text = (f"declare {v} {fma}({v}, {v}, {v})\n"
                f"define float @peak(i64 %n) {{\nentry:\n  br label %loop\nloop:\n"
                f"  %i = phi i64 [0, %entry], [%j, %loop]\n{body}  %j = add i64 %i, 1\n"
                f"  %c = icmp ult i64 %j, %n\n  br i1 %c, label %loop, label %done\ndone:\n"
@@ -138,7 +141,7 @@ def fma_peak(threads=1, chains=16, iterations=20_000_000):
     rates = [[] for _ in range(threads)]
 
     def run(t):  # the ctypes call releases the GIL: the threads run the loop at once, 5 times
-        rates[t] = [chains * iterations * 32 / _timed(lambda: peak(iterations)) / 1e9 for _ in range(5)]
+        rates[t] = [chains * iterations * 2 * W / _timed(lambda: peak(iterations)) / 1e9 for _ in range(5)]
     workers = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
     for w in workers:
         w.start()
@@ -159,7 +162,7 @@ def ceiling(dev, rng, T=64):
           "fastest of 5 runs: " + " / ".join(f"{min(r):.1f}-{max(r):.1f}" for r in peaks) + " GFLOP/s")
     print("prefill matmul of 64 rows x 2,048 columns of Q4_K (from L2), 64 tokens (best of 15)")
     fmt, w = packed_tensor("Q4_K", 64, 2048, rng)
-    k = ops.prefill_matmul(fmt, 64, 2048, T)
+    k = ops.prefill_matmul(fmt, 64, 2048, T, groups=ops.tile_groups(dev.caps.registers))
     bufs = {"w": upload(dev, w), "x": upload(dev, rng.random(T * 2048, np.float32)), "y": dev.alloc(T * 64 * 4),
             "wdq": dev.alloc(k.buffers["wdq"].size * 4)}
     reps = max(1, 2 ** 28 // (64 * 2048 * T))
