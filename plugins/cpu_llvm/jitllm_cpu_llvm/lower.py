@@ -1,20 +1,21 @@
 """Lower kernel IR to LLVM IR (llvmlite.ir) for the host CPU.
 
 Each kernel becomes `void k(ptr buf..., i32 scalar..., i32 tid, i32 nth, ptr barrier, ptr counters)`. A top-level
-parallel loop runs half its iterations in one contiguous share per thread and hands out the rest in chunks
-claimed from a counter; other top-level effects run on thread 0; a top-level
-Barrier calls the native barrier. `vector` loops and reduces become SIMD code with W lanes when their bodies
-allow it (affine indices become contiguous vector loads/stores, others gathers/scatters); a reduce whose value
-is a vector reduce of the same op keeps one vector accumulator across both loops (a quantized dot product then
-does one horizontal sum per row, not per block), each summand accumulating with its own multiply-add. Inside a
-vector loop, reduces over a uniform loop run across the lanes (outer-loop vectorization), sibling ones in one
-loop sharing what they load, two vectors of lanes per iteration, unrolled reduces inside them spread over
-four chains; stores under a lane-varying `if` are masked. What quantized weights need is recognized in the
-IR rather than written per format: a little-endian field assembled from bytes is one wide load, a float of a
-function of 4 bits is one table lookup (vpermps), addresses keep each index term's offset visible, and a
-sum of `dot4`s accumulates each into the sum so far (VNNI's vpdpbusd; where the CPU has no VNNI and the bytes are
-provably small, pmaddubsw's pair sums add up as i16 as far as their bound allows, then widen once). Weights streamed from memory are prefetched a few KB ahead (into L1) and further
-(into L2), once per address.
+parallel loop runs half its iterations in one contiguous share per thread and hands out the rest in chunks claimed
+from a counter; other top-level effects run on thread 0; a top-level Barrier calls the native barrier. `vector`
+loops and reduces become SIMD code with W lanes when their bodies allow it (affine indices become contiguous vector
+loads/stores, others gathers/scatters); a reduce whose value is a vector reduce of the same op keeps one vector
+accumulator across both loops (a quantized dot product then does one horizontal sum per row, not per block), each
+summand accumulating with its own multiply-add. Inside a vector loop, reduces over a uniform loop run across the
+lanes (outer-loop vectorization), sibling ones in one loop sharing what they load (in several loops where their
+accumulators would not fit the registers), two vectors of lanes per iteration, unrolled reduces inside them spread
+over four chains (sums of dot4s that read the same words, one per digit of the input, computed together word by
+word); stores under a lane-varying `if` are masked. What quantized weights need is recognized in the IR rather than
+written per format: a little-endian field assembled from bytes is one wide load, a float of a function of 4 bits is
+one table lookup (vpermps), addresses keep each index term's offset visible, and a sum of `dot4`s accumulates each
+into the sum so far (VNNI's vpdpbusd; where the CPU has no VNNI and the bytes are provably small, pmaddubsw's pair
+sums add up as i16 as far as their bound allows, then widen once). Weights streamed from memory are prefetched a
+few KB ahead (into L1) and further (into L2), once per address.
 A program module adds `step(ptr bufs, ptr scalars, tid, nth, barrier, counters)` that calls every launch's kernel in
 order (through functions of STEP_PART launches each) with a barrier after each that a later launch depends on.
 """
@@ -166,7 +167,7 @@ class Dot4Sum:
 class KernelLowering:
     def __init__(self, module: L.Module, kernel: ir.Kernel, width: int, isa=frozenset()):
         self.k, self.W, self.isa = kernel, width, isa
-        self.registers = 32 if width == 16 else 16  # x86's vector registers: AVX-512's 32, AVX2's 16
+        self.registers = vector_registers(width)
         args = [PTR] * len(kernel.buffers) + [I32] * len(kernel.scalars) + [I32, I32, PTR, PTR]
         self.fn = L.Function(module, L.FunctionType(VOID, args), name=f"k_{kernel.name}_{kernel.key()}")
         self.fn.attributes.add("noinline")
@@ -908,8 +909,9 @@ class KernelLowering:
     def register_tiles(self, run, lane_var, jam):
         """A run of sibling lane reduces in loops of as many as three quarters of the vector registers hold as
         accumulators (jam each), the rest left for what they load: reduces that load the same vector of lanes
-        (a register tile's row group) together, so that each loaded vector still feeds all its accumulators.
-        The IR's tile (a prefill matmul's 4 x 6) fits AVX-512's 32 registers; with AVX2's 16 it would spill."""
+        (a register tile's row group) together, so that each loaded vector still feeds all its accumulators. A
+        prefill matmul's tile of 4 row groups x 6 tokens (`ops.tile_groups` where a device does not say its
+        registers) fits AVX-512's 32 registers; with AVX2's 16 it would spill."""
         n = max(1, self.registers * 3 // 4 // jam)
         clusters = {}
         for let in run:
@@ -947,6 +949,7 @@ class KernelLowering:
                         self.memo, acc = memos[u], accs[u][i]
                         v = self.to_vec(self.vexpr(t, venv), dt)
                         self.b.store(self.combine(e.op, self.b.load(acc), v, dt), acc)
+                        memos[u] = self.memo
             del self.env[first.var]
             self.memo = {}
 
@@ -1192,6 +1195,11 @@ def _bits(e):
 
 def _is_dot4(e):
     return isinstance(e, ir.Bin) and e.op == "dot4"
+
+
+def vector_registers(width):
+    """x86's vector registers at a vector width of `width` f32: AVX-512's 32, AVX2's 16."""
+    return 32 if width == 16 else 16
 
 
 def _dot4_reduce(e):

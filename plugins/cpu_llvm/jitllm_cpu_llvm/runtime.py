@@ -221,7 +221,7 @@ class CpuDevice(Device):
         self.name = name
         W = simd_width()
         self.caps = Caps(memory_bytes=memory_bytes, bandwidth_Bps=0.0, subgroup_size=W, fp16=True, int8=True,
-                         host_visible=True, registers=W * (32 if W == 16 else 16), extra={"cpu": host()[1]})
+                         host_visible=True, registers=W * lower.vector_registers(W), extra={"cpu": host()[1]})
         self.used = 0
         self.compiled = {}  # program key -> Compiled, kept for the process's life (see Workers)
         self._lock = threading.Lock()
