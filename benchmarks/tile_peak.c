@@ -1,10 +1,11 @@
 /* The prefill matmul's register tile as bare C loops (no dequantization, no epilogue but adding into y): G
- * vectors of 16 rows x TT tokens, a block of 256 columns of f32 weights (G x 16 KB) multiplied by 48 tokens whose
- * inputs are rows 8 KB apart, as ops.prefill_matmul's are. What a tile shape can reach on one core, apart from
- * the lowering. Build and run (AVX-512):
+ * groups of 16 rows (a vector each with AVX-512, two with AVX2) x TT tokens, a block of 256 columns of f32
+ * weights (G x 16 KB) multiplied by 48 tokens whose inputs are rows 8 KB apart (XS floats), as
+ * ops.prefill_matmul's are. What a tile shape can reach on one core, apart from the lowering. Build and run:
  *   for t in "2 8" "4 6" "3 8" "4 4"; do set -- $t; gcc -O3 -march=native -DG=$1 -DTT=$2 \
  *       -o /tmp/tile_$1_$2 benchmarks/tile_peak.c && /tmp/tile_$1_$2; done
- * The machine's speed varies: run each several times, alternated, and compare the best. */
+ * (AVX2: "1 6", the tile ops.tile_groups gives it.) The machine's speed varies: run each several times,
+ * alternated, and compare the best. */
 #include <immintrin.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,9 +16,31 @@
 #ifndef TT
 #define TT 6
 #endif
-#define BLK 256
+#ifndef XS
 #define XS 2048
+#endif
+#define BLK 256
 #define NT 48
+#ifdef __AVX512F__
+#define L 16
+typedef __m512 vec;
+#define ZERO _mm512_setzero_ps
+#define LOAD _mm512_load_ps
+#define STORE _mm512_store_ps
+#define SET1 _mm512_set1_ps
+#define FMADD _mm512_fmadd_ps
+#define ADD _mm512_add_ps
+#else
+#define L 8
+typedef __m256 vec;
+#define ZERO _mm256_setzero_ps
+#define LOAD _mm256_load_ps
+#define STORE _mm256_store_ps
+#define SET1 _mm256_set1_ps
+#define FMADD _mm256_fmadd_ps
+#define ADD _mm256_add_ps
+#endif
+#define V (G * 16 / L) /* vectors of a tile's rows */
 
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
 
@@ -32,26 +55,27 @@ int main(void) {
         double t = now();
         for (int it = 0; it < 200; it++)
             for (int tt = 0; tt < NT / TT; tt++) {
-                __m512 a[G * TT];
-                for (int i = 0; i < G * TT; i++) a[i] = _mm512_setzero_ps();
+                vec a[V * TT];
+                for (int i = 0; i < V * TT; i++) a[i] = ZERO();
                 const float *xp = x + (size_t)tt * TT * XS;
                 for (int c = 0; c < BLK; c++) {
-                    __m512 wv[G];
-                    for (int g = 0; g < G; g++) wv[g] = _mm512_load_ps(w + g * 16 * BLK + c * 16);
+                    vec wv[V];
+                    for (int g = 0; g < V; g++) wv[g] = LOAD(w + (g * L / 16) * 16 * BLK + c * 16 + g * L % 16);
                     for (int k = 0; k < TT; k++) {
-                        __m512 b = _mm512_set1_ps(xp[k * XS + c]);
-                        for (int g = 0; g < G; g++) a[G * k + g] = _mm512_fmadd_ps(wv[g], b, a[G * k + g]);
+                        vec b = SET1(xp[k * XS + c]);
+                        for (int g = 0; g < V; g++) a[V * k + g] = FMADD(wv[g], b, a[V * k + g]);
                     }
                 }
                 for (int k = 0; k < TT; k++)
-                    for (int g = 0; g < G; g++) {
-                        float *yp = y + (tt * TT + k) * 16 * G + 16 * g;
-                        _mm512_store_ps(yp, _mm512_add_ps(_mm512_load_ps(yp), a[G * k + g]));
+                    for (int g = 0; g < V; g++) {
+                        float *yp = y + (tt * TT + k) * 16 * G + L * g;
+                        STORE(yp, ADD(LOAD(yp), a[V * k + g]));
                     }
             }
         t = now() - t;
         if (t < best) best = t;
     }
-    printf("%d x 16 rows x %d tokens: %.1f GFLOP/s (checksum %g)\n", G, TT, 200.0 * NT * BLK * G * 16 * 2 / best / 1e9, y[0]);
+    printf("%d x 16 rows x %d tokens (%d-lane vectors): %.1f GFLOP/s (checksum %g)\n", G, TT, L,
+           200.0 * NT * BLK * G * 16 * 2 / best / 1e9, y[0]);
     return 0;
 }
