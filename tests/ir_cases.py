@@ -201,6 +201,24 @@ def locals_and_ifs(n=40):
     return k
 
 
+def vector_ifs(n=40):
+    """Stores in a vector loop under ifs: a condition the same for every lane (a branch around plain stores; a value
+    first evaluated inside it is evaluated again after it, and a load after it of what it stored sees the store) and
+    one that differs by lane (masked stores); each parallel iteration takes one side of the uniform one."""
+    k = ir.Kernel("vector_ifs")
+    k.buffer("x", "f32", n), k.buffer("o", "f32", 2 * 3 * n, True)
+    m = k.scalar("m")
+    with k.parallel("p", 2) as p:
+        with k.loop("i", n, "vector") as i:
+            o = p * (3 * n)
+            with k.if_(p < m):
+                k.store("o", o + i, k.load("x", i) + 1.0)
+            k.store("o", o + n + i, (k.load("x", i) + 1.0) * k.load("o", o + i))
+            with k.if_(k.load("x", i) > 0.0):
+                k.store("o", o + 2 * n + i, k.load("x", i) * 2.0)
+    return k
+
+
 def barriers(n=64):
     """Phase 2 reads phase 1's results at other indices; inside an iteration, a scratch row is written by a
     vector loop and then reduced."""
@@ -254,6 +272,7 @@ CASES = {
     "vector_loops": (vector_loops, {}),
     "store_then_load": (store_then_load, {}),
     "locals_and_ifs": (locals_and_ifs, {}),
+    "vector_ifs": (vector_ifs, {"m": 1}),
     "barriers": (barriers, {}),
     "atomics": (atomics, {}),
     "scalar_params": (scalar_params, {"m": 20, "off": 6}),

@@ -847,7 +847,15 @@ class KernelLowering:
                     each(venvs, lambda venv: venv.__setitem__(st.name, self.vexpr(st.value, venv)))
                 elif isinstance(st, ir.If):
                     def guarded(venv, st=st):
-                        mask = self.to_vec(self.vexpr(st.cond, venv), "bool")
+                        cond = self.vexpr(st.cond, venv)
+                        if cond.kind == "u":  # the same for every lane: a branch around plain stores (AMD's
+                            saved = dict(self.memo)  # masked stores are microcoded, ~a sixth of a prefill tile)
+                            self.if_then(cond.val, lambda: [self.vector_store(g, venv) for g in st.then])
+                            self.memo = saved  # what the branch evaluated does not dominate what follows
+                            for g in st.then:
+                                self.forget(g.buf)
+                            return
+                        mask = self.to_vec(cond, "bool")
                         for g in st.then:
                             self.vector_store(g, venv, mask)
                     each(venvs, guarded)
