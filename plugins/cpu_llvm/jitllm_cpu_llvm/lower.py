@@ -848,8 +848,8 @@ class KernelLowering:
                 elif isinstance(st, ir.If):
                     def guarded(venv, st=st):
                         cond = self.vexpr(st.cond, venv)
-                        if cond.kind == "u":  # the same for every lane: a branch around plain stores (AMD's
-                            saved = dict(self.memo)  # masked stores are microcoded, ~a sixth of a prefill tile)
+                        if cond.kind == "u":  # the same for every lane: a branch around plain stores
+                            saved = dict(self.memo)  # (masked stores are microcoded on AMD's cores)
                             self.if_then(cond.val, lambda: [self.vector_store(g, venv) for g in st.then])
                             self.memo = saved  # what the branch evaluated does not dominate what follows
                             for g in st.then:
