@@ -27,8 +27,8 @@ from .tokenizer import StreamDecoder
 STEP_TOKENS = 64   # tokens per step (prefill chunk)
 PAGE = 16          # positions per KV page
 DEFAULT_CONTEXT = 8192  # KV positions reserved when the caller does not say (models may allow far more)
-# what the CPU's integer dots see of a matmul input: "f32" its digits as accurate as f32 arithmetic (the default), "int8" one
-# int8 per element, as llama.cpp quantizes activations (faster, logits ~1 off)
+# what the CPU's integer dots see of a matmul input: "f32" its digits as accurate as f32 arithmetic (the default),
+# "int8" one int8 per element, as llama.cpp quantizes activations (faster, logits ~1 off)
 ACTIVATION_DIGITS = {"f32": quant.DIGITS, "int8": quant.INT8}
 
 
