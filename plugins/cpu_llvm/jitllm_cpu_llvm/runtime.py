@@ -70,6 +70,11 @@ def isa():
     return frozenset(f for f in ISA if feats.get(f))
 
 
+def compile_failed(device_name, e):
+    """llvmlite reports parse, verify and codegen failures as RuntimeError: as the backend's error."""
+    return BackendError(f"{device_name}: LLVM compile failed: {e}")
+
+
 # LLVM works on one thread of its own, one module at a time, each in a context of its own: a program's module is
 # compiled there while the caller goes on lowering the next one (a cold start lowers two: decode and prefill)
 _LLVM = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jitllm-llvm")
@@ -101,8 +106,8 @@ class Compiled:
         if self._step is None:
             try:
                 self._step = self._compiling.result()
-            except RuntimeError as e:  # llvmlite reports parse/verify/codegen failures as RuntimeError
-                raise BackendError(f"{self.device_name}: LLVM compile failed: {e}") from None
+            except RuntimeError as e:
+                raise compile_failed(self.device_name, e) from None
         return self._step
 
     def _engine(self, mod):
@@ -270,8 +275,8 @@ class CpuDevice(Device):
         try:
             self.compiled[key] = Compiled(key, text_fn, self.name)
             return self.compiled[key]
-        except RuntimeError as e:  # llvmlite reports parse/verify/codegen failures as RuntimeError
-            raise BackendError(f"{self.name}: LLVM compile failed: {e}") from None
+        except RuntimeError as e:  # loading the cached code
+            raise compile_failed(self.name, e) from None
 
 
 def total_memory():
