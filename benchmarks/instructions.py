@@ -8,7 +8,7 @@ import re
 
 import llvmlite.binding as llvm
 
-from jitllm_core import ops, quant
+from jitllm_core import ops, quant, registry
 from jitllm_cpu_llvm import lower, runtime
 
 MATVECS = [("Q4_1", 1536, 576), ("Q4_K", 2048, 8192), ("Q6_K", 2048, 8192)]
@@ -47,15 +47,17 @@ def main():
         print("     " + counts(body))
     # the prefill matmul's loops: its register tiles (a column each; the step's last tokens a smaller tile), and
     # the block's loop around them, most of it the dequantization of the block into scratch
+    # (the tile this CPU gets: ops.tile_groups of its registers)
     fmt = quant.packed_format(quant.get_format("Q4_K", 2048), 2048)
-    bodies = list(loops(assembly(ops.prefill_matmul(fmt, 2048, 2048, 64))))
+    groups = ops.tile_groups(registry.device("cpu").caps.registers)
+    bodies = list(loops(assembly(ops.prefill_matmul(fmt, 2048, 2048, 64, groups=groups))))
     for body in bodies:
         if body.count("vfmadd231ps") and "vaddps" not in body:  # the loops around it add its sums into y
-            print(f"prefill tile of {ops.GEMM_GROUPS * quant.ROWS} rows x {body.count('vbroadcastss')} tokens: loop "
+            print(f"prefill tile of {groups * quant.ROWS} rows x {body.count('vbroadcastss')} tokens: loop "
                   f"of {len(body)} instructions per column")
             print("     " + counts(body))
     block = max(bodies, key=len)
-    print(f"prefill block of {ops.GEMM_GROUPS * quant.ROWS} rows x {ops.GEMM_BLOCK} columns of {fmt.name}: "
+    print(f"prefill block of {groups * quant.ROWS} rows x {ops.GEMM_BLOCK} columns of {fmt.name}: "
           f"{len(block)} instructions, the tile loops above once each, the dequantization into scratch, the tiles' "
           "sums into y")
     print("     " + counts(block))

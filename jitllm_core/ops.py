@@ -149,7 +149,7 @@ def tile_groups(registers: int) -> int:
     """Row groups of the prefill matmul's register tile on a device whose thread holds `registers` f32 values in
     vector registers (Caps.registers): GEMM_GROUPS where its accumulators and a weight vector per group fit
     (AVX-512's 32 x 16), fewer where not (AVX2's 16 x 8: one group, whose block of scratch then stays in L1 for
-    every token tile -- 71-72 against 50-64 GFLOP/s for 4 groups split by the lowering), one where even that
+    every token tile -- 71-72 against 50-64 GFLOP/s for 4 groups split into loops that fit), one where even that
     does not; not said (0): GEMM_GROUPS."""
     if not registers:
         return GEMM_GROUPS

@@ -7,15 +7,15 @@ loops and reduces become SIMD code with W lanes when their bodies allow it (affi
 loads/stores, others gathers/scatters); a reduce whose value is a vector reduce of the same op keeps one vector
 accumulator across both loops (a quantized dot product then does one horizontal sum per row, not per block), each
 summand accumulating with its own multiply-add. Inside a vector loop, reduces over a uniform loop run across the
-lanes (outer-loop vectorization), sibling ones in one loop sharing what they load (in several loops where their
-accumulators would not fit the registers), two vectors of lanes per iteration, unrolled reduces inside them spread
-over four chains (sums of dot4s that read the same words, one per digit of the input, computed together word by
-word); stores under a lane-varying `if` are masked. What quantized weights need is recognized in the IR rather than
-written per format: a little-endian field assembled from bytes is one wide load, a float of a function of 4 bits is
-one table lookup (vpermps), addresses keep each index term's offset visible, and a sum of `dot4`s accumulates each
-into the sum so far (VNNI's vpdpbusd; where the CPU has no VNNI and the bytes are provably small, pmaddubsw's pair
-sums add up as i16 as far as their bound allows, then widen once). Weights streamed from memory are prefetched a
-few KB ahead (into L1) and further (into L2), once per address.
+lanes (outer-loop vectorization), sibling ones in one loop sharing what they load, two vectors of lanes per
+iteration, unrolled reduces inside them spread over four chains (sums of dot4s that read the same words, one per
+digit of the input, computed together word by word); stores under a lane-varying `if` are masked. What quantized
+weights need is recognized in the IR rather than written per format: a little-endian field assembled from bytes is
+one wide load, a float of a function of 4 bits is one table lookup (vpermps), addresses keep each index term's
+offset visible, and a sum of `dot4`s accumulates each into the sum so far (VNNI's vpdpbusd; where the CPU has no
+VNNI and the bytes are provably small, pmaddubsw's pair sums add up as i16 as far as their bound allows, then widen
+once). Weights streamed from memory are prefetched a few KB ahead (into L1) and further (into L2), once per
+address.
 A program module adds `step(ptr bufs, ptr scalars, tid, nth, barrier, counters)` that calls every launch's kernel in
 order (through functions of STEP_PART launches each) with a barrier after each that a later launch depends on.
 """
@@ -837,9 +837,8 @@ class KernelLowering:
                 st = s.body[j]
                 if isinstance(st, ir.Let) and self.lane_reduce(st.value):
                     run = self.sibling_lane_reduces(s.body, j)
-                    for tile in self.register_tiles(run, s.var, jam):
-                        for venv, vals in zip(venvs, self.lane_reduces([let.value for let in tile], venvs)):
-                            venv.update((let.name, v) for let, v in zip(tile, vals))
+                    for venv, vals in zip(venvs, self.lane_reduces([let.value for let in run], venvs)):
+                        venv.update((let.name, v) for let, v in zip(run, vals))
                     j += len(run)
                     continue
                 j += 1
@@ -913,27 +912,6 @@ class KernelLowering:
             run.append(s)
             names.add(s.name)
         return run
-
-    def register_tiles(self, run, lane_var, jam):
-        """A run of sibling lane reduces in loops of as many as three quarters of the vector registers hold as
-        accumulators (jam each), the rest left for what they load: reduces that load the same vector of lanes
-        (a register tile's row group) together, so that each loaded vector still feeds all its accumulators. A
-        prefill matmul's tile of 4 row groups x 6 tokens (`ops.tile_groups` where a device does not say its
-        registers) fits AVX-512's 32 registers; with AVX2's 16 it would spill."""
-        n = max(1, self.registers * 3 // 4 // jam)
-        clusters = {}
-        for let in run:
-            key = frozenset(_address_key(ld.index, {}) for ld in _loads(let.value.value)
-                            if lane_var in _var_names(ld.index))
-            clusters.setdefault(key, []).append(let)
-        tiles = [[]]
-        for cluster in clusters.values():
-            for c in range(0, len(cluster), n):
-                piece = cluster[c:c + n]
-                if len(tiles[-1]) + len(piece) > n:
-                    tiles.append([])
-                tiles[-1] += piece
-        return tiles
 
     def lane_reduces(self, reds, venvs):
         """Reduces over one uniform loop, each lane accumulating its own value: a scalar loop with one vector
