@@ -706,11 +706,7 @@ class KernelLowering:
             return self.dot4_reduces([e], [venv], [self.memo])[0][0]
         dt, chains, n = e.value.dtype, [], 0
         terms = _terms(e.value) if e.op == "add" else [e.value]
-        self.memo.setdefault(PREFETCHED, set())  # shared by the iterations' memos, as what they load is
-        for j in range(e.extent.value):
-            saved = self.memo
-            self.memo = dict(saved)  # values of the enclosing body stay shared; this iteration's are its own
-            self.prefetching = j % max(1, 64 // self.W) == 0  # one prefetch per line (see dot4_reduces)
+        for j, (self.memo,) in self.unrolled_iterations(e.extent.value, [self.memo]):
             for t in terms:
                 chain = chains[n % UNROLL_ACCS] if len(chains) == UNROLL_ACCS else None
                 v = self.to_vec(self.vexpr(t, {**venv, e.var: VVal("u", L.Constant(I32, j))}), dt)
@@ -719,8 +715,6 @@ class KernelLowering:
                 else:
                     chains[n % UNROLL_ACCS] = self.combine(e.op, chain, v, dt)
                 n += 1
-            self.memo = saved
-        self.prefetching = True
         while len(chains) > 1:
             chains = [self.combine(e.op, a, b, dt) for a, b in zip(chains[::2], chains[1::2])] + chains[len(chains) // 2 * 2:]
         return VVal("v", chains[0])
@@ -730,20 +724,27 @@ class KernelLowering:
         computed together iteration by iteration, the vectors innermost, one chain each (a Dot4Sum: the kind comes
         many to a block, which overlap each other, and joining chains would cost more adds than the dot4s save
         waiting). Returns, per venv, the sums."""
-        saved, sums = self.memo, [[Dot4Sum(self) for _ in reds] for _ in venvs]
-        for m in memos:
-            m.setdefault(PREFETCHED, set())  # shared by the iterations' memos, as what they load is
-        for j in range(reds[0].extent.value):
-            its = [dict(m) for m in memos]  # the enclosing body's values stay shared; this iteration's are its own
-            # consecutive iterations read consecutive vectors of bytes (interleaved weights): one prefetch per line
-            self.prefetching = j % max(1, 64 // self.W) == 0
+        sums = [[Dot4Sum(self) for _ in reds] for _ in venvs]
+        for j, its in self.unrolled_iterations(reds[0].extent.value, memos):
             for i, r in enumerate(reds):
                 for u, venv in enumerate(venvs):
                     self.memo = its[u]
                     for t in _terms(r.value):
                         sums[u][i].add(t, {**venv, r.var: VVal("u", L.Constant(I32, j))})
-        self.memo, self.prefetching = saved, True
         return [[VVal("v", acc.value()) for acc in row] for row in sums]
+
+    def unrolled_iterations(self, n, memos):
+        """Iterations 0 .. n - 1 of unrolled reduces in a vector body, each with a memo per vector of lanes (a copy
+        of its memo: the enclosing body's values stay shared, the iteration's are its own), and one prefetch per
+        cache line of the consecutive vectors of bytes consecutive iterations read (interleaved weights); the
+        body's memo and prefetching are as before once they are done."""
+        saved = self.memo
+        for m in memos:
+            m.setdefault(PREFETCHED, set())  # shared by the iterations' memos, as what they load is
+        for j in range(n):
+            self.prefetching = j % max(1, 64 // self.W) == 0
+            yield j, [dict(m) for m in memos]
+        self.memo, self.prefetching = saved, True
 
     def joint_dot4_reduces(self, e, venvs, memos):
         """The unrolled sums of dot4s in e that read the same words each iteration -- a sub-block's sums, one per
