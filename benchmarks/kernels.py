@@ -1,7 +1,7 @@
 """Kernel benchmarks behind docs/benchmarks.md, on the CPU device:
 
 - decode matvecs of each packed layout (one token), weights from memory (copies rotated past the caches) and
-  from cache (one copy repeated): GB/s and G weights/s;
+  from cache (one copy repeated): GB/s and G weights/s, with the lowering options the device tuned for them;
 - matvecs of the file's layouts, the dot in its CPU form and in the form GPUs get;
 - the prefill matmuls of the 1B shape's matrices (a 64-token step);
 - the core's f32 multiply-add peak (a bare loop of independent multiply-adds) and a prefill matmul whose weights
@@ -17,7 +17,7 @@ import time
 import llvmlite.binding as llvm
 import numpy as np
 
-from jitllm_core import llama, ops, quant, registry
+from jitllm_core import llama, ops, quant, registry, tuning
 from jitllm_core.plugin import Launch
 from jitllm_cpu_llvm import runtime
 
@@ -57,7 +57,7 @@ def seconds(prog, values, repeats=7):
 
 
 def decode(dev, rng):
-    print("decode matvec, 1 token           from memory            from cache")
+    print("decode matvec, 1 token           from memory            from cache   tuned")
     for name, rows, cols in DECODE:
         fmt, w = packed_tensor(name, rows, cols, rng)
         copies = max(2, int(200e6 // w.nbytes))
@@ -69,6 +69,7 @@ def decode(dev, rng):
                          "xd": upload(dev, np.full(cols // 32, 1e-9, np.float32)),
                          "xs": upload(dev, x.reshape(-1, 16).sum(1))})
         k = ops.matmul(fmt, rows, cols, 1)
+        tuning.tune(dev, [k])  # the options the engine's decode step gets on this machine
         launches = [Launch(k, {p: b for p, b in {**bufs, "w": wb}.items() if p in k.buffers}) for wb in ws]
         values = {"n_tokens": 1, "t0": 0}
         t_mem = seconds(dev.program(launches), values) / copies
@@ -78,7 +79,7 @@ def decode(dev, rng):
         t_cache = seconds(dev.program([Launch(kc, {p: b for p, b in {**bufs, "w": ws[0]}.items()
                                                    if p in kc.buffers})] * 20), values) / 20
         print(f"{fmt.name:6} {rows:6d} x {cols:5d}   {w.nbytes / t_mem / 1e9:5.1f} GB/s {rows * cols / t_mem / 1e9:5.1f} Gw/s"
-              f"   {rc * cols / t_cache / 1e9:5.1f} Gw/s")
+              f"   {rc * cols / t_cache / 1e9:5.1f} Gw/s   {dev.tuned.get(k.tune_tag)}")
         for b in ws + list(bufs.values()):
             dev.free(b)
 

@@ -1,6 +1,8 @@
 """Where compiled artifacts and measurements live on disk (JITLLM_CACHE_DIR, default ~/.cache/jitllm)."""
 import hashlib
+import json
 import os
+import time
 from pathlib import Path
 
 
@@ -24,3 +26,20 @@ def write_atomic(path: Path, data: bytes):
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+def measured(key, fn):
+    """fn()'s value (JSON), measured once per machine: cached on disk under `key` (what it depends on)."""
+    path = cache_dir("measure") / f"{digest(key)}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    value = fn()
+    write_atomic(path, json.dumps(value).encode())
+    return value
+
+
+def seconds(fn):
+    """Wall seconds of one call of fn."""
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t

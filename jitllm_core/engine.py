@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import faults, ir, ops, quant, registry
+from . import faults, ir, ops, quant, registry, tuning
 from .errors import ContextLimitError, JitllmError
 from .kvcache import PagePool, Sequence
 from .llama import Llama, ModelFile, interleaves
@@ -266,14 +266,16 @@ class Engine:
                 segs.append(Segment(d, [unit], None))
         for d in n_streamed:
             self._ensure_slots(d, [u for u in self.model.units if layout[u] == (d, "streamed")])
-        for i, seg in enumerate(segs):
+        bound = [[[ln for u in seg.units for ln in self._bind(u, seg.device, (kvs or {}).get(u),
+                                                               seg.slot if seg.streamed is not None else None, pre)]
+                  for pre in (False, True)] for seg in segs]
+        for d in dict.fromkeys(seg.device for seg in segs):  # the decode steps' kernels, where weights stream
+            tuning.tune(self.devices[d], [ln.kernel for seg, (step, _) in zip(segs, bound) if seg.device == d
+                                          for ln in step], self.progress)
+        for i, (seg, launches) in enumerate(zip(segs, bound)):
             self.progress("compiling kernels", i, len(segs))
             faults.check("compile", seg.device)
-            slot = seg.slot if seg.streamed is not None else None
-            dev = self.devices[seg.device]
-            seg.program, seg.prefill = (dev.program([ln for u in seg.units for ln in
-                                                     self._bind(u, seg.device, (kvs or {}).get(u), slot, pre)])
-                                        for pre in (False, True))
+            seg.program, seg.prefill = (self.devices[seg.device].program(lns) for lns in launches)
         for seg in segs:   # compile errors come from here, not from the first step
             seg.program.ready(), seg.prefill.ready()
         self.progress("compiling kernels", len(segs), len(segs))

@@ -293,6 +293,9 @@ class Kernel:
         # embedding's rows, a chunk of a matrix): what profiles count as its weight bytes
         self.w_read = None
         self.flops = None  # given n_tokens, the multiply-adds x 2 of a launch (a matmul's), for profiles' GFLOP/s
+        # kernels of one tag share the lowering options a device tunes by measurement (Device.tunables,
+        # jitllm_core.tuning), measured on the tag's kernels run with these scalar values
+        self.tune_tag, self.tune_scalars = None, {}
 
     # -- parameters
     def buffer(self, name, dtype, size, write=False) -> str:
@@ -346,6 +349,10 @@ class Kernel:
 
     def if_(self, cond):
         return _Block(self, If(cond, []), None)
+
+    def tune_as(self, tag, **scalars):
+        """Tag the kernel for tuning (Kernel.tune_tag); scalars: the values its measurement runs it with."""
+        self.tune_tag, self.tune_scalars = tag, scalars
 
     def finish(self) -> "Kernel":
         check(self)

@@ -80,6 +80,7 @@ def matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=Fal
             v = k.load("y", t * rows + r) + v
         k.store("y", t * rows + r, v)
     if isinstance(fmt, Interleaved):
+        k.tune_as(f"matvec_{fmt.name}", n_tokens=1, t0=0)  # tuned for the decode step, where weights stream
         with k.parallel("rg", rows // ROWS) as rg:
             with k.loop("t", n - t0, "serial", start=t0) as t:
                 with k.loop("ri", ROWS, "vector") as ri:

@@ -7,24 +7,13 @@ memory (llama.cpp's split), which is the cost model's "host" rest; the planner o
 from __future__ import annotations
 
 import contextlib
-import json
-import time
 
 import numpy as np
 
 from . import costmodel as cm
 from . import ir
-from .cache import cache_dir, digest, write_atomic
+from .cache import measured, seconds
 from .plugin import Launch
-
-
-def _measured(key, fn):
-    path = cache_dir("measure") / f"{digest(key)}.json"
-    if path.exists():
-        return json.loads(path.read_text())
-    value = fn()
-    write_atomic(path, json.dumps(value).encode())
-    return value
 
 
 @contextlib.contextmanager
@@ -42,7 +31,7 @@ def bandwidth_meter(dev, rows=4096):
         dev.upload(x, np.ones(rows * cols, np.float32))
         prog = dev.program([Launch(k.finish(), {"x": x, "y": y})])
         prog.run({})
-        yield lambda runs: rows * cols * 4 / min(_timed(lambda: prog.run({})) for _ in range(runs))
+        yield lambda runs: rows * cols * 4 / min(seconds(lambda: prog.run({})) for _ in range(runs))
     finally:
         dev.free(x)
         dev.free(y)
@@ -56,7 +45,7 @@ def read_bandwidth(dev, rows=4096, runs=3):
 
 def device_bandwidth(dev):
     """read_bandwidth, measured once per machine and device configuration."""
-    return _measured(("device-read", dev.backend, dev.describe()), lambda: read_bandwidth(dev))
+    return measured(("device-read", dev.backend, dev.describe()), lambda: read_bandwidth(dev))
 
 
 def link_bandwidth(dev):
@@ -66,18 +55,12 @@ def link_bandwidth(dev):
         try:
             data = np.ones(32 << 20, np.uint8)
             dev.upload(buf, data)
-            bw = data.nbytes / min(_timed(lambda: dev.upload(buf, data)) for _ in range(3))
-            lat = min(_timed(lambda: dev.upload(buf, data[:64])) for _ in range(5))
+            bw = data.nbytes / min(seconds(lambda: dev.upload(buf, data)) for _ in range(3))
+            lat = min(seconds(lambda: dev.upload(buf, data[:64])) for _ in range(5))
             return [bw, lat]
         finally:
             dev.free(buf)
-    return _measured(("link", dev.backend, dev.describe()), run)
-
-
-def _timed(fn):
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+    return measured(("link", dev.backend, dev.describe()), run)
 
 
 def hardware(devices: dict, arenas: dict, host: str, reserve=0) -> cm.Hardware:

@@ -142,6 +142,15 @@ class Device:
     def describe(self) -> str:
         return self.name
 
+    # Optional: lowering options whose best value depends on the machine more than on the kernel (how far ahead
+    # a CPU prefetches streamed weights, say). option -> candidate values (JSON-able), the first the default;
+    # the core measures them on each kernel tag (ir.Kernel.tune_as) and calls `tune` with the fastest.
+    tunables: dict = {}
+
+    def tune(self, tag: str, options: dict):
+        """Kernels tagged `tag` compile with these options (option -> value) from now on."""
+        raise NotImplementedError
+
 
 class TransferPath:
     """Copies bytes between buffers of two devices. mechanism: 'peer' | 'mapped' | 'host-staged'."""

@@ -15,7 +15,7 @@ one wide load, a float of a function of 4 bits is one table lookup (vpermps), ad
 offset visible, and a sum of `dot4`s accumulates each into the sum so far (VNNI's vpdpbusd; where the CPU has no
 VNNI and the bytes are provably small, pmaddubsw's pair sums add up as i16 as far as their bound allows, then widen
 once). Weights streamed from memory are prefetched a few KB ahead (into L1) and further (into L2), once per
-address.
+address, where the device's tuning keeps it (CpuDevice.tunables).
 A program module adds `step(ptr bufs, ptr scalars, tid, nth, barrier, counters)` that calls every launch's kernel in
 order (through functions of STEP_PART launches each) with a barrier after each that a later launch depends on.
 """
@@ -38,7 +38,8 @@ LANE_BLOCK = 256  # iterations of a reduce across lanes summed before joining it
 # smaller buffers, and f32 tiles reused from cache, are left alone), and into which cache level: the far prefetch
 # brings a line into L2, so that the near one's L1 fill waits on L2, not DRAM, and the core's few fill buffers
 # turn over fast (one thread's decode, measured: 9.2 -> 10.0 GB/s for Q4_K, 8.8 -> 9.5 for Q6_K; two: unchanged)
-PREFETCH = {4096: 3, 16384: 1}  # distance: LLVM locality (3: all levels, 1: L2 and beyond)
+PREFETCH = ((4096, 3), (16384, 1))  # (distance, LLVM locality: 3 all levels, 1 L2 and beyond); the device's
+# default, which it tunes per kernel tag (CpuDevice.tunables): some CPUs stream faster without
 PREFETCH_MIN = 256 << 10  # "large": more than stays in L2
 STEP_PART = 64  # launches per function of a program's step
 CLAIMS = 4  # chunks per thread of a parallel loop's claimed half
@@ -165,8 +166,9 @@ class Dot4Sum:
 
 
 class KernelLowering:
-    def __init__(self, module: L.Module, kernel: ir.Kernel, width: int, isa=frozenset()):
+    def __init__(self, module: L.Module, kernel: ir.Kernel, width: int, isa=frozenset(), options=None):
         self.k, self.W, self.isa = kernel, width, isa
+        self.prefetches = (options or {}).get("prefetch", PREFETCH)  # the tuned options (CpuDevice.tune)
         self.registers = vector_registers(width)
         args = [PTR] * len(kernel.buffers) + [I32] * len(kernel.scalars) + [I32, I32, PTR, PTR]
         self.fn = L.Function(module, L.FunctionType(VOID, args), name=f"k_{kernel.name}_{kernel.key()}")
@@ -780,16 +782,16 @@ class KernelLowering:
         return self.b.call(fn, [L.Constant(vt, [float(t) for t in table]), v])
 
     def prefetch_ahead(self, buf, ptr, index, venv):
-        """Prefetch the PREFETCH distances past ptr (element `index` of buf) when buf is a large read-only byte
+        """Prefetch the distances of the kernel's prefetches (PREFETCH unless tuned) past ptr (element `index` of buf) when buf is a large read-only byte
         buffer (weights streamed from DRAM), once per address in a body: a quantized dot reads each word for
         every digit of the input, and prefetches take load slots."""
         p = self.k.buffers[buf]
         done = self.memo.setdefault(PREFETCHED, set())
         key = (buf, _address_key(index, {n: v.val.constant for n, v in venv.items()
                                          if v.kind == "u" and isinstance(v.val, L.Constant)}))
-        if PREFETCH and not p.write and p.dtype == "u8" and p.size >= PREFETCH_MIN and key not in done:
+        if self.prefetches and not p.write and p.dtype == "u8" and p.size >= PREFETCH_MIN and key not in done:
             done.add(key)
-            for distance, locality in PREFETCH.items():
+            for distance, locality in self.prefetches:
                 ahead = self.b.gep(ptr, [L.Constant(I32, distance)], source_etype=I8)
                 self.prefetch(ahead, locality)
 
@@ -1252,7 +1254,7 @@ def claim_counters(kernel) -> int:
     return sum(isinstance(s, ir.Loop) and s.kind == "parallel" for s in kernel.body)
 
 
-def program_module(launch_slots, kernels, width, triple, isa=frozenset(), stamps=None) -> L.Module:
+def program_module(launch_slots, kernels, width, triple, isa=frozenset(), stamps=None, options=None) -> L.Module:
     """One module: every distinct kernel, the barrier, and `step` that calls the launches in order.
 
     launch_slots: list of (kernel key, [buffer slot per buffer param], [scalar slot per scalar param],
@@ -1260,6 +1262,7 @@ def program_module(launch_slots, kernels, width, triple, isa=frozenset(), stamps
     claim work from counters of their own (CLAIM_STRIDE i32s apart, all of them zero when a step starts), which
     thread 0 zeroes again once the step's final barrier is passed. stamps: the buffer slot of a timed program's
     timestamps (i64 ns; [0] once every thread has started, [i + 1] after launch i's barrier), else None.
+    options: kernel key -> its tuned lowering options (CpuDevice.tune), where it has any.
     """
     m = L.Module(name="jitllm_program")
     m.triple = triple
@@ -1268,7 +1271,7 @@ def program_module(launch_slots, kernels, width, triple, isa=frozenset(), stamps
     fns, claims = {}, {}
     for k in kernels:
         if k.key() not in fns:
-            fns[k.key()] = KernelLowering(m, k, width, isa).lower()
+            fns[k.key()] = KernelLowering(m, k, width, isa, (options or {}).get(k.key())).lower()
             claims[k.key()] = claim_counters(k)
     sig = L.FunctionType(VOID, [PTR, PTR, I32, I32, PTR, PTR])
     step = L.Function(m, sig, name="jl_step")

@@ -181,10 +181,12 @@ class CpuProgram(Program):
         self.stamps = CpuBuffer(device, 8 * (len(launches) + 1)) if timed else None
         stamps = bslot.setdefault(id(self.stamps), (len(bslot), self.stamps))[0] if timed else None
         kernels = [ln.kernel for ln in launches]
+        options = {k.key(): device.tuned.get(k.tune_tag, {}) for k in kernels}
         triple, cpu, features, _ = host()
-        key = digest(LOWERING, slots, stamps, simd_width(), sorted(isa()), triple, cpu, features, llvmlite.__version__)
+        key = digest(LOWERING, slots, stamps, simd_width(), sorted(isa()), triple, cpu, features, llvmlite.__version__,
+                     sorted(options.items()))
         self.compiled = device.compile(key, lambda: str(lower.program_module(slots, kernels, simd_width(), triple,
-                                                                             isa(), stamps)))
+                                                                             isa(), stamps, options)))
         self.scalar_slots = sslot
         self.keep = [b for _, b in bslot.values()]
         self.bufs = (ctypes.c_void_p * max(1, len(bslot)))(*[b.addr for _, b in sorted(bslot.values(), key=lambda t: t[0])])
@@ -221,6 +223,9 @@ def barriers_needed(launches):
 
 class CpuDevice(Device):
     backend = "cpu"
+    # how far ahead streamed weights are prefetched (lower.PREFETCH), or not at all: a Zen 5's decode gained from
+    # it, a Zen 3's 4-bit matvecs lost a third
+    tunables = {"prefetch": [lower.PREFETCH, ()]}
 
     def __init__(self, name, threads, memory_bytes):
         self.name = name
@@ -229,11 +234,13 @@ class CpuDevice(Device):
                          host_visible=True, registers=W * lower.vector_registers(W), extra={"cpu": host()[1]})
         self.used = 0
         self.compiled = {}  # program key -> Compiled, kept for the process's life (see Workers)
+        self.tuned = {}  # kernel tag -> lowering options (Device.tune)
         self._lock = threading.Lock()
         self.configure(threads=threads)
 
     def configure(self, threads=None, memory_bytes=None):
         if threads:
+            self.tuned = {}  # measured with another thread count
             self.threads = int(threads)
             self.caps.threads = self.threads
             self.workers = Workers(self.threads)
@@ -262,6 +269,9 @@ class CpuDevice(Device):
     def download(self, buf, nbytes=None, offset=0):
         n = buf.nbytes - offset if nbytes is None else nbytes
         return buf.arr[offset:offset + n].copy()
+
+    def tune(self, tag, options):
+        self.tuned[tag] = dict(options)
 
     def program(self, launches):
         return CpuProgram(self, launches)

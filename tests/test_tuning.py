@@ -1,0 +1,76 @@
+"""Lowering options tuned by measurement (jitllm_core.tuning): the CPU's prefetch of streamed weights."""
+import llvmlite.binding as llvm
+import numpy as np
+import pytest
+
+from jitllm_core import cache, ops, quant, tuning
+from jitllm_core.plugin import Launch
+from jitllm_cpu_llvm import lower, runtime
+
+ROWS, COLS = 576, 1536  # a 553 KB R4 matrix: large enough to be prefetched (lower.PREFETCH_MIN)
+
+
+def matvec():
+    return ops.matmul(quant.PACKED["R4"], ROWS, COLS, 4)
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("JITLLM_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_matvecs_are_tagged_by_layout_and_measured_as_one_token():
+    k = matvec()
+    assert k.tune_tag == "matvec_R4" and k.tune_scalars == {"n_tokens": 1, "t0": 0}
+    assert ops.matmul(quant.PACKED["R4K"], 16, 256, 4).tune_tag == "matvec_R4K"
+
+
+def test_cpu_tuning_picks_a_candidate_per_tag_and_caches_it(cpu, fresh_cache, monkeypatch):
+    k = matvec()
+    tuning.tune(cpu, [k, ops.matmul(quant.PACKED["R4"], 16, COLS, 4)])  # the larger kernel is the one measured
+    assert cpu.tuned["matvec_R4"]["prefetch"] in cpu.tunables["prefetch"]
+    assert len(list((fresh_cache / "measure").glob("*.json"))) == 1
+    chosen = cpu.tuned.pop("matvec_R4")
+
+    def measured_again(*a):
+        raise AssertionError("a cached tuning was measured again")
+    monkeypatch.setattr(tuning, "_fastest", measured_again)
+    tuning.tune(cpu, [k])
+    assert cpu.tuned["matvec_R4"] == chosen
+
+
+def test_tuning_without_room_keeps_the_defaults_uncached(fresh_cache):
+    dev = runtime.CpuDevice("cpu:small", 1, 4 << 20)  # 4 MB: no room for the rotated copies
+    tuning.tune(dev, [matvec()])
+    assert dev.tuned["matvec_R4"] == {"prefetch": lower.PREFETCH}
+    assert not list((fresh_cache / "measure").glob("*.json"))
+
+
+def test_prefetch_options_change_the_code_not_the_results(cpu):
+    k = matvec()
+    rng = np.random.default_rng(3)
+    fmt, raw = quant.get_format("Q4_1", COLS), rng.integers(0, 256, (ROWS * COLS // 32, 20)).astype(np.uint8)
+    raw[:, 0:4] = (rng.standard_normal((len(raw), 2)) * 0.01).astype(np.float16).view(np.uint8)
+    data = {"w": quant.repack(fmt, raw.reshape(-1), ROWS), "x": rng.standard_normal(4 * COLS).astype(np.float32),
+            "xq": rng.integers(0, 256, 4 * quant.DIGITS * COLS).astype(np.uint8),
+            "xd": np.full(4 * COLS // 32, 1e-3, np.float32), "xs": rng.standard_normal(4 * COLS // 16).astype(np.float32)}
+    outs = []
+    for prefetch in cpu.tunables["prefetch"]:
+        text = str(lower.program_module([(k.key(), list(range(len(k.buffers))), [0, 1], True)], [k],
+                                        runtime.simd_width(), llvm.get_process_triple(), runtime.isa(),
+                                        options={k.key(): {"prefetch": prefetch}}))
+        assert ("llvm.prefetch" in text) == bool(prefetch)
+        bufs = {p: cpu.alloc(k.buffers[p].size * (4 if k.buffers[p].dtype == "f32" else 1)) for p in k.buffers}
+        try:
+            for p, a in data.items():
+                cpu.upload(bufs[p], a)
+            cpu.tune(k.tune_tag, {"prefetch": prefetch})
+            cpu.program([Launch(k, bufs)]).run({"n_tokens": 4, "t0": 0})
+            outs.append(cpu.download(bufs["y"]).view(np.float32))
+        finally:
+            cpu.tuned.pop(k.tune_tag, None)
+            for b in bufs.values():
+                cpu.free(b)
+    assert np.isfinite(outs[0]).all() and np.abs(outs[0]).max() > 0
+    np.testing.assert_array_equal(outs[0], outs[1])
