@@ -135,7 +135,8 @@ def run_bench(model=None, devices=None, kv_dtype="f16", threads=(1, 2), prompt_t
             eng.close()
             if peer:
                 peer.close()
-        row = {"threads": n, "bandwidth_Bps": bandwidth, "bytes_per_token": bytes_per_token}
+        row = {"threads": n, "bandwidth_Bps": bandwidth, "bytes_per_token": bytes_per_token,
+               "tuned": {d.name: dict(d.tuned) for d in eng.devices.values()}}
         for name, ms in runs.items():
             if ms:
                 b = bytes_per_token[name]
@@ -176,6 +177,11 @@ def print_report(results, model_path, prompt_tokens, decode_tokens, repeats, out
                 for e in engines]
         rows.append(row)
     print_table(header, rows, file=out, right=range(len(header)))
+    for r in results:
+        for dev, tuned in r.get("tuned", {}).items():
+            if tuned:
+                print(f"{r['threads']} thread(s), {dev}'s tuned lowering options (measured on this machine): " +
+                      "; ".join(f"{tag} {opts}" for tag, opts in sorted(tuned.items())), file=out)
     print("tok/s" + ("; ratio = jitllm / llama.cpp" if peer else "") + "; % of bw = bytes per token x decode "
           "tok/s / read bandwidth at that thread count: each run against the bandwidth measured just before and "
           "after it (median over runs); % of best: the median run against the best bandwidth (read GB/s)",

@@ -146,6 +146,7 @@ class Device:
     # a CPU prefetches streamed weights, say). option -> candidate values (JSON-able), the first the default;
     # the core measures them on each kernel tag (ir.Kernel.tune_as) and calls `tune` with the fastest.
     tunables: dict = {}
+    tuned: dict = {}  # tag -> the options `tune` gave it (reports show them)
 
     def tune(self, tag: str, options: dict):
         """Kernels tagged `tag` compile with these options (option -> value) from now on."""

@@ -5,7 +5,7 @@ and slowed a Zen 3's 4-bit ones by a third (docs/benchmarks.md). So a device may
 option, and before the engine compiles a device's programs each kernel tag (ir.Kernel.tune_as) among them gets
 the fastest: the tag's largest kernel, compiled with each combination of candidates, runs over copies of its
 largest buffer that together exceed the caches (as a step streams its weights from memory), the candidates
-alternated round by round; the median decides. The choice is cached per machine, device configuration and tag
+alternated round by round; each one's best round decides (a busy moment only adds time). The choice is cached per machine, device configuration and tag
 (a tag's kernels share their inner loop: the first model's largest one speaks for them).
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _fastest(dev, k, variants):
         for _ in range(ROUNDS):
             for prog, t in zip(programs, times):
                 t.append(seconds(lambda: prog.run(k.tune_scalars)))
-        return int(np.argmin([np.median(t) for t in times]))
+        return int(np.argmin([min(t) for t in times]))
     finally:
         for _, b in bufs:
             dev.free(b)

@@ -106,7 +106,8 @@ def test_bench_report_ratios_and_bandwidth_fraction(capsys):
     bench = pytest.importorskip("jitllm_core.bench")
     results = [{"threads": 2, "bandwidth_Bps": 10e9, "bytes_per_token": {"jitllm": 100e6, "llama.cpp": 80e6},
                 "jitllm": {"prompt_tok_s": 300.0, "decode_tok_s": 80.0, "bw_fraction": 0.85},
-                "llama.cpp": {"prompt_tok_s": 200.0, "decode_tok_s": 50.0, "bw_fraction": 0.44}}]
+                "llama.cpp": {"prompt_tok_s": 200.0, "decode_tok_s": 50.0, "bw_fraction": 0.44},
+                "tuned": {"cpu": {"matvec_R4K": {"prefetch": ()}}, "vulkan:0": {}}}]
     bench.print_report(results, "m.gguf", 37, 64, 5, None)
     out = capsys.readouterr().out
     header, row = [line for line in out.splitlines() if re.match(r"\s*(threads|2)\s", line)]
@@ -116,6 +117,8 @@ def test_bench_report_ratios_and_bandwidth_fraction(capsys):
     assert row.split() == ["2", "300.0", "200.0", "1.50x", "80.0", "50.0", "1.60x", "10.0", "85%", "44%", "80%",
                            "40%"]
     assert "jitllm 100.0 MB" in out and "llama.cpp 80.0 MB" in out
+    assert "2 thread(s), cpu's tuned lowering options (measured on this machine): matvec_R4K {'prefetch': ()}" in out
+    assert "vulkan:0's tuned" not in out  # a device that tunes nothing says nothing
 
 
 def test_bench_pairs_each_run_with_the_bandwidth_measured_beside_it(monkeypatch):
