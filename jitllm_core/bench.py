@@ -180,7 +180,7 @@ def print_report(results, model_path, prompt_tokens, decode_tokens, repeats, out
     for r in results:
         for dev, tuned in r.get("tuned", {}).items():
             if tuned:
-                print(f"{r['threads']} thread(s), {dev}'s tuned lowering options (measured on this machine): " +
+                print(f"lowering options tuned on this machine, {dev} at {r['threads']} thread(s): " +
                       "; ".join(f"{tag} {opts}" for tag, opts in sorted(tuned.items())), file=out)
     print("tok/s" + ("; ratio = jitllm / llama.cpp" if peer else "") + "; % of bw = bytes per token x decode "
           "tok/s / read bandwidth at that thread count: each run against the bandwidth measured just before and "

@@ -117,8 +117,8 @@ def test_bench_report_ratios_and_bandwidth_fraction(capsys):
     assert row.split() == ["2", "300.0", "200.0", "1.50x", "80.0", "50.0", "1.60x", "10.0", "85%", "44%", "80%",
                            "40%"]
     assert "jitllm 100.0 MB" in out and "llama.cpp 80.0 MB" in out
-    assert "2 thread(s), cpu's tuned lowering options (measured on this machine): matvec_R4K {'prefetch': ()}" in out
-    assert "vulkan:0's tuned" not in out  # a device that tunes nothing says nothing
+    assert "lowering options tuned on this machine, cpu at 2 thread(s): matvec_R4K {'prefetch': ()}" in out
+    assert "vulkan:0 at" not in out  # a device that tunes nothing says nothing
 
 
 def test_bench_pairs_each_run_with_the_bandwidth_measured_beside_it(monkeypatch):
