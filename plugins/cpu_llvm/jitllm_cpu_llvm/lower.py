@@ -782,9 +782,9 @@ class KernelLowering:
         return self.b.call(fn, [L.Constant(vt, [float(t) for t in table]), v])
 
     def prefetch_ahead(self, buf, ptr, index, venv):
-        """Prefetch the distances of the kernel's prefetches (PREFETCH unless tuned) past ptr (element `index` of buf) when buf is a large read-only byte
-        buffer (weights streamed from DRAM), once per address in a body: a quantized dot reads each word for
-        every digit of the input, and prefetches take load slots."""
+        """Prefetch the kernel's distances (PREFETCH unless tuned) past ptr (element `index` of buf) when buf is a
+        large read-only byte buffer (weights streamed from DRAM), once per address in a body: a quantized dot
+        reads each word for every digit of the input, and prefetches take load slots."""
         p = self.k.buffers[buf]
         done = self.memo.setdefault(PREFETCHED, set())
         key = (buf, _address_key(index, {n: v.val.constant for n, v in venv.items()
