@@ -28,13 +28,22 @@ def write_atomic(path: Path, data: bytes):
     os.replace(tmp, path)
 
 
-def measured(key, fn):
-    """fn()'s value (JSON), measured once per machine: cached on disk under `key` (what it depends on)."""
+def recorded(key):
+    """The value measured on this machine under `key` (what it depends on), or None."""
     path = cache_dir("measure") / f"{digest(key)}.json"
-    if path.exists():
-        return json.loads(path.read_text())
-    value = fn()
-    write_atomic(path, json.dumps(value).encode())
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def record(key, value):
+    write_atomic(cache_dir("measure") / f"{digest(key)}.json", json.dumps(value).encode())
+
+
+def measured(key, fn):
+    """fn()'s value (JSON), measured once per machine: recorded under `key`."""
+    value = recorded(key)
+    if value is None:
+        value = fn()
+        record(key, value)
     return value
 
 

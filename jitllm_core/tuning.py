@@ -1,12 +1,13 @@
 """Lowering options tuned by measurement on the machine at hand (Device.tunables), once per machine.
 
-What suits one CPU does not suit another: software prefetches of streamed weights sped a Zen 5's decode matvecs up
-and slowed a Zen 3's 4-bit ones by a third (docs/benchmarks.md). So a device may offer candidates for such an
-option, and before the engine compiles a device's programs each kernel tag (ir.Kernel.tune_as) among them gets
-the fastest: the tag's largest kernel, compiled with each combination of candidates, runs over copies of its
-largest buffer that together exceed the caches (as a step streams its weights from memory), the candidates
-alternated round by round; each one's best round decides (a busy moment only adds time). The choice is cached per machine, device configuration and tag
-(a tag's kernels share their inner loop: the first model's largest one speaks for them).
+What suits one CPU does not suit another: software prefetches of streamed weights speed an Ice Lake's and an
+Emerald Rapids' decode matvecs up and slow a Zen 3's 4-bit ones by a third (docs/benchmarks.md). So a device may
+offer candidates for such an option, and before the engine compiles a device's programs each kernel tag
+(ir.Kernel.tune_as) among them gets the fastest: the tag's largest kernel, compiled with each combination of
+candidates, runs over copies of its largest buffer that together exceed the caches (as a step streams its
+weights from memory), the candidates alternated round by round; each one's best round decides (a busy moment
+only adds time). The choice is recorded per machine, device configuration and tag (a tag's kernels share their
+inner loop: the first model's largest one speaks for them).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import itertools
 import numpy as np
 
 from . import ir
-from .cache import measured, seconds
+from .cache import record, recorded, seconds
 from .errors import BackendError
 from .plugin import Launch
 
@@ -31,44 +32,65 @@ def tune(dev, kernels, progress=None):
     for k in kernels:
         if k.tune_tag and _nbytes(k) > _nbytes(largest.get(k.tune_tag)):
             largest[k.tune_tag] = k
-    names, candidates = list(dev.tunables), list(itertools.product(*dev.tunables.values()))
-    for i, (tag, k) in enumerate(sorted(largest.items())):
-        if progress:
-            progress("tuning kernels", i, len(largest))
-        key = ("tuning", dev.backend, dev.describe(), tag, repr(dev.tunables))  # per tag: a layout's loop
-        try:
-            best = measured(key, lambda: _fastest(dev, k, [dict(zip(names, c)) for c in candidates]))
-        except BackendError:  # no room for the copies (a tight memory budget): the defaults, not cached
-            best = 0
-        dev.tune(tag, dict(zip(names, candidates[best])))
-
-
-def _fastest(dev, k, variants):
-    """Index of the fastest of the option variants for kernel k on dev."""
-    streamed = max(k.buffers, key=lambda p: _buffer_bytes(k, p))
-    copies = max(2, ROTATION_BYTES // _buffer_bytes(k, streamed))
-    bufs = []
-    try:
-        for p in k.buffers:
-            for _ in range(copies if p == streamed else 1):
-                bufs.append((p, dev.alloc(_buffer_bytes(k, p))))
-                dev.upload(bufs[-1][1], _filler(k.buffers[p]))
-        shared = {p: b for p, b in bufs if p != streamed}
-        launches = [Launch(k, {**shared, streamed: b}) for p, b in bufs if p == streamed]
-        programs = []
-        for v in variants:  # a program takes its kernels' options when made (and may compile while the next is)
-            dev.tune(k.tune_tag, v)
-            programs.append(dev.program(launches))
-        for prog in programs:
-            prog.run(k.tune_scalars)  # compiled and warm
-        times = [[] for _ in programs]
-        for _ in range(ROUNDS):
-            for prog, t in zip(programs, times):
-                t.append(seconds(lambda: prog.run(k.tune_scalars)))
-        return int(np.argmin([min(t) for t in times]))
+    names = list(dev.tunables)
+    variants = [dict(zip(names, c)) for c in itertools.product(*dev.tunables.values())]
+    best, probes = {}, {}
+    try:  # every tag's variants compile (on a CPU, while the next are lowered) before any is measured
+        for i, (tag, k) in enumerate(sorted(largest.items())):
+            if progress:
+                progress("tuning kernels", i, len(largest))
+            key = ("tuning", dev.backend, dev.describe(), tag, repr(dev.tunables))  # per tag: a layout's loop
+            best[tag] = recorded(key)
+            if best[tag] is None:
+                probes[tag] = key, _Probe(dev, k, variants)
+        for tag, (key, probe) in probes.items():
+            best[tag] = probe.fastest()
+            record(key, best[tag])
+    except BackendError:  # no room for the copies (a tight memory budget): the defaults, not recorded
+        pass
     finally:
-        for _, b in bufs:
-            dev.free(b)
+        for _, probe in probes.values():
+            probe.free()
+    for tag in largest:
+        dev.tune(tag, variants[best.get(tag) or 0])
+
+
+class _Probe:
+    """Kernel k compiled with each option variant, into programs that run it over copies of its largest buffer."""
+
+    def __init__(self, dev, k, variants):
+        self.dev, self.k, self.bufs = dev, k, []
+        streamed = max(k.buffers, key=lambda p: _buffer_bytes(k, p))
+        copies = max(2, ROTATION_BYTES // _buffer_bytes(k, streamed))
+        try:
+            for p in k.buffers:
+                for _ in range(copies if p == streamed else 1):
+                    self.bufs.append((p, dev.alloc(_buffer_bytes(k, p))))
+                    dev.upload(self.bufs[-1][1], _filler(k.buffers[p]))
+        except BackendError:
+            self.free()
+            raise
+        shared = {p: b for p, b in self.bufs if p != streamed}
+        launches = [Launch(k, {**shared, streamed: b}) for p, b in self.bufs if p == streamed]
+        self.programs = []
+        for v in variants:  # a program takes its kernels' options when it is made
+            dev.tune(k.tune_tag, v)
+            self.programs.append(dev.program(launches))
+
+    def fastest(self):
+        """Index of the fastest variant: each one's best of ROUNDS runs, the variants alternated."""
+        for prog in self.programs:
+            prog.run(self.k.tune_scalars)  # compiled and warm
+        times = [[] for _ in self.programs]
+        for _ in range(ROUNDS):
+            for prog, t in zip(self.programs, times):
+                t.append(seconds(lambda: prog.run(self.k.tune_scalars)))
+        return int(np.argmin([min(t) for t in times]))
+
+    def free(self):
+        for _, b in self.bufs:
+            self.dev.free(b)
+        self.bufs = []
 
 
 def _buffer_bytes(k, p):

@@ -35,7 +35,7 @@ def test_cpu_tuning_picks_a_candidate_per_tag_and_caches_it(cpu, fresh_cache, mo
 
     def measured_again(*a):
         raise AssertionError("a cached tuning was measured again")
-    monkeypatch.setattr(tuning, "_fastest", measured_again)
+    monkeypatch.setattr(tuning._Probe, "fastest", measured_again)
     tuning.tune(cpu, [k])
     assert cpu.tuned["matvec_R4"] == chosen
 
