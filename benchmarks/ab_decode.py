@@ -4,6 +4,9 @@ jitllm_core before its engine is built (the op builders' caches are cleared, so 
 the CPU compiles them under keys of their own, as the IR differs):
 
     python benchmarks/ab_decode.py -m MODEL --threads 2 --set quant.R6.pieces 2 4 [--rounds 7]
+
+A device's tuned lowering options too: `--set tuning.FORCED '{"prefetch": 0}' '{"prefetch": 1}'` gives every
+kernel tag candidate 0, then 1, of the CPU's `prefetch` (CpuDevice.tunables).
 """
 import argparse
 import ast

@@ -22,6 +22,7 @@ from .plugin import Launch
 
 ROTATION_BYTES = 64 << 20  # the copies of a kernel's streamed buffer one measured run reads: past the caches
 ROUNDS = 5
+FORCED = {}  # option -> index of the candidate every tag gets whatever was measured (benchmarks/ab_decode.py)
 
 
 def tune(dev, kernels, progress=None):
@@ -51,8 +52,9 @@ def tune(dev, kernels, progress=None):
     finally:
         for _, probe in probes.values():
             probe.free()
+    forced = {o: dev.tunables[o][i] for o, i in FORCED.items() if o in dev.tunables}
     for tag in largest:
-        dev.tune(tag, variants[best.get(tag) or 0])
+        dev.tune(tag, {**variants[best.get(tag) or 0], **forced})
 
 
 class _Probe:
