@@ -38,6 +38,11 @@ def test_cpu_tuning_picks_a_candidate_per_tag_and_caches_it(cpu, fresh_cache, mo
     monkeypatch.setattr(tuning._Probe, "fastest", measured_again)
     tuning.tune(cpu, [k])
     assert cpu.tuned["matvec_R4"] == chosen
+    for i, candidate in enumerate(cpu.tunables["prefetch"]):  # forced (benchmarks/ab_decode.py): whatever was measured
+        monkeypatch.setattr(tuning, "FORCED", {"prefetch": i})
+        tuning.tune(cpu, [k])
+        assert cpu.tuned["matvec_R4"] == {"prefetch": candidate}
+    cpu.tuned.pop("matvec_R4")
 
 
 def test_tuning_without_room_keeps_the_defaults_uncached(fresh_cache):
