@@ -7,7 +7,7 @@
 - the core's f32 multiply-add peak (a bare loop of independent multiply-adds) and a prefill matmul whose weights
   stay in L2.
 
-    python benchmarks/kernels.py [--threads N] [--only decode|file|prefill|ceiling]
+    python benchmarks/kernels.py [--threads N] [--only decode|file|prefill|ceiling] [--force prefetch=1]
 """
 import argparse
 import ctypes
@@ -179,7 +179,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", choices=["decode", "file", "prefill", "ceiling"], help="run one part")
+    ap.add_argument("--force", nargs="*", default=[], metavar="OPTION=INDEX",
+                    help="a tuned option's candidate for every kernel, whatever was measured (e.g. prefetch=1)")
     args = ap.parse_args()
+    tuning.FORCED = {o: int(i) for o, i in (f.split("=") for f in args.force)}
     dev = registry.device("cpu")
     dev.configure(threads=args.threads)
     rng = np.random.default_rng(0)
