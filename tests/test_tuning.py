@@ -3,9 +3,11 @@ import llvmlite.binding as llvm
 import numpy as np
 import pytest
 
-from jitllm_core import cache, ops, quant, tuning
+from jitllm_core import ops, quant, tuning
 from jitllm_core.plugin import Launch
-from jitllm_cpu_llvm import lower, runtime
+
+lower = pytest.importorskip("jitllm_cpu_llvm.lower", reason="the CPU backend plugin is not installed")
+runtime = pytest.importorskip("jitllm_cpu_llvm.runtime", reason="the CPU backend plugin is not installed")
 
 ROWS, COLS = 576, 1536  # a 553 KB R4 matrix: large enough to be prefetched (lower.PREFETCH_MIN)
 
