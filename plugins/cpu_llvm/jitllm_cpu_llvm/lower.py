@@ -169,7 +169,6 @@ class KernelLowering:
     def __init__(self, module: L.Module, kernel: ir.Kernel, width: int, isa=frozenset(), options=None):
         self.k, self.W, self.isa = kernel, width, isa
         self.prefetches = (options or {}).get("prefetch", PREFETCH)  # the tuned options (CpuDevice.tune)
-        self.registers = vector_registers(width)
         args = [PTR] * len(kernel.buffers) + [I32] * len(kernel.scalars) + [I32, I32, PTR, PTR]
         self.fn = L.Function(module, L.FunctionType(VOID, args), name=f"k_{kernel.name}_{kernel.key()}")
         self.fn.attributes.add("noinline")
@@ -754,7 +753,7 @@ class KernelLowering:
         loaded and split into nibbles feeds every digit's dot and is dropped, and an input word broadcast feeds
         every vector. One sum, or one vector, after another, the words would stay live across them all, more than
         AVX2's 16 registers hold (spilled)."""
-        consts = {n: v.val.constant for n, v in venvs[0].items() if v.kind == "u" and isinstance(v.val, L.Constant)}
+        consts = _uniform_constants(venvs[0])
         groups = {}
         for r in _dot4_reduces_in(e):
             if id(r) not in memos[0]:
@@ -787,8 +786,7 @@ class KernelLowering:
         reads each word for every digit of the input, and prefetches take load slots."""
         p = self.k.buffers[buf]
         done = self.memo.setdefault(PREFETCHED, set())
-        key = (buf, _address_key(index, {n: v.val.constant for n, v in venv.items()
-                                         if v.kind == "u" and isinstance(v.val, L.Constant)}))
+        key = (buf, _address_key(index, _uniform_constants(venv)))
         if self.prefetches and not p.write and p.dtype == "u8" and p.size >= PREFETCH_MIN and key not in done:
             done.add(key)
             for distance, locality in self.prefetches:
@@ -1215,6 +1213,11 @@ def _byte_max(e):
     """The largest value any byte of i32 e can have (from the bits it can have set)."""
     bits = _bits(e)
     return max((bits >> 8 * i) & 255 for i in range(4))
+
+
+def _uniform_constants(venv):
+    """The names a vector body's environment binds to one constant for every lane (an unrolled iteration's index)."""
+    return {n: v.val.constant for n, v in venv.items() if v.kind == "u" and isinstance(v.val, L.Constant)}
 
 
 def _address_key(e, consts):
