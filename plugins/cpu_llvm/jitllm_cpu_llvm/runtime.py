@@ -181,7 +181,7 @@ class CpuProgram(Program):
         self.stamps = CpuBuffer(device, 8 * (len(launches) + 1)) if timed else None
         stamps = bslot.setdefault(id(self.stamps), (len(bslot), self.stamps))[0] if timed else None
         kernels = [ln.kernel for ln in launches]
-        options = {k.key(): device.tuned.get(k.tune_tag, {}) for k in kernels}
+        options = {k.key(): device.tuned[k.tune_tag] for k in kernels if k.tune_tag in device.tuned}
         triple, cpu, features, _ = host()
         key = digest(LOWERING, slots, stamps, simd_width(), sorted(isa()), triple, cpu, features, llvmlite.__version__,
                      sorted(options.items()))
