@@ -163,10 +163,11 @@ def _prefill_tiles(fmt: Format, rows: int, width: int, groups: int) -> tuple[int
     return G, gemm_block(fmt, width), min(GEMM_SLICES, rows // (G * ROWS))
 
 
-def prefill_scratch(fmt: Format, rows: int, width: int, groups: int = GEMM_GROUPS) -> int:
-    """f32 elements of a prefill matmul's `wdq` scratch: a block of a tile's rows per slice (with `groups` or
-    fewer row groups a tile: enough for any tile of at most that many)."""
-    return max(s * G * ROWS * blk for G, blk, s in (_prefill_tiles(fmt, rows, width, g) for g in range(1, groups + 1)))
+def prefill_scratch(fmt: Format, rows: int, width: int) -> int:
+    """f32 elements of a prefill matmul's `wdq` scratch: a block of a tile's rows per slice, for a tile of as many
+    row groups as any device's (`tile_groups`: at most GEMM_GROUPS)."""
+    return max(s * G * ROWS * blk for G, blk, s in (_prefill_tiles(fmt, rows, width, g)
+                                                    for g in range(1, GEMM_GROUPS + 1)))
 
 
 @functools.cache
