@@ -250,10 +250,10 @@ class Engine:
     def _layout(self):
         return {u: (st.device, st.residency) for u, st in self.units.items()}
 
-    def _programs(self, layout, kvs=None):
+    def _programs(self, layout, kvs=None, measure=True):
         """One program per segment -- consecutive resident units on one device, or one streamed unit -- for a
         layout unit -> (device, residency). kvs overrides the KV buffers of some units (a migration binds the
-        target's before switching)."""
+        target's before switching; it does not measure tunings, as the reply goes on meanwhile: tuning.tune)."""
         segs, n_streamed = [], {}
         for unit in self.model.units:
             d, res = layout[unit]
@@ -271,7 +271,7 @@ class Engine:
                   for pre in (False, True)] for seg in segs]
         for d in dict.fromkeys(seg.device for seg in segs):  # the decode steps' kernels, where weights stream
             tuning.tune(self.devices[d], [ln.kernel for seg, (step, _) in zip(segs, bound) if seg.device == d
-                                          for ln in step], self.progress)
+                                          for ln in step], self.progress, measure)
         for i, (seg, launches) in enumerate(zip(segs, bound)):
             self.progress("compiling kernels", i, len(segs))
             faults.check("compile", seg.device)

@@ -135,7 +135,12 @@ class Migration:
         r.paths["weights"] = "host-upload"
         self.layout = eng._layout()
         self.layout.update({u: (self.target, "resident") for u in self.moving})
-        self.programs = eng._programs(self.layout, {u: s["kv"] for u, s in self.staged.items()})
+        self.programs = self._target_programs()
+
+    def _target_programs(self):
+        """The programs of the layout after the move, the target's KV buffers bound; tunings not measured (the
+        source goes on generating meanwhile)."""
+        return self.eng._programs(self.layout, {u: s["kv"] for u, s in self.staged.items()}, measure=False)
 
     # -- 3: pages that are full never change again: copy them while the source keeps generating. The partial
     # tail page is copied too (it warms the target's memory) and copied again in the pause.
@@ -186,7 +191,7 @@ class Migration:
                                                    for u in self.moving}}:
                 # another migration changed the placement since we compiled: bind again (rare, in the pause)
                 self.layout = {**eng._layout(), **{u: (self.target, "resident") for u in self.moving}}
-                self.programs = eng._programs(self.layout, {u: s["kv"] for u, s in self.staged.items()})
+                self.programs = self._target_programs()
             for seq in eng.sequences.values():
                 for u in self.staged:
                     again = self.dirty.get((seq.id, u), ())

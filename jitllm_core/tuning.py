@@ -25,8 +25,9 @@ ROUNDS = 5
 FORCED = {}  # option -> index of the candidate every tag gets whatever was measured (benchmarks/ab_decode.py)
 
 
-def tune(dev, kernels, progress=None):
-    """Give dev the measured options for each tag among kernels (as `Device.tune`)."""
+def tune(dev, kernels, progress=None, measure=True):
+    """Give dev the measured options for each tag among kernels (as `Device.tune`). measure=False: what was
+    recorded, the defaults for the rest (while other work runs on the machine, a measurement would time it too)."""
     if not dev.tunables:
         return
     largest = {}
@@ -42,7 +43,7 @@ def tune(dev, kernels, progress=None):
                 progress("tuning kernels", i, len(largest))
             key = ("tuning", dev.backend, dev.describe(), tag, repr(dev.tunables))  # per tag: a layout's loop
             best[tag] = recorded(key)
-            if best[tag] is None:
+            if best[tag] is None and measure:
                 probes[tag] = key, _Probe(dev, k, variants)
         for tag, (key, probe) in probes.items():
             best[tag] = probe.fastest()

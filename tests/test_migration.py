@@ -135,3 +135,17 @@ def test_bad_migration_requests(eng):
         eng.migrate("0-40", "cpu:1")
     with pytest.raises(jl.JitllmError, match="no device|not in this engine"):
         eng.migrate("0-3", "cuda:7")
+
+
+def test_moves_do_not_measure_tunings(eng, monkeypatch):
+    """A move compiles the target's programs while the reply goes on: tunings it has no record of keep their
+    defaults rather than being measured against the running steps (tuning.tune's measure)."""
+    from jitllm_core import tuning
+    calls, real = [], tuning.tune
+
+    def spy(dev, kernels, progress=None, measure=True):
+        calls.append(measure)
+        return real(dev, kernels, progress, measure)
+    monkeypatch.setattr(tuning, "tune", spy)
+    assert eng.migrate("0-29", "cpu:1").ok
+    assert calls == [False] * len(calls) and calls

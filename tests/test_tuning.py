@@ -81,3 +81,12 @@ def test_prefetch_options_change_the_code_not_the_results(cpu):
                 cpu.free(b)
     assert np.isfinite(outs[0]).all() and np.abs(outs[0]).max() > 0
     np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_tuning_without_measuring_gives_the_defaults_unrecorded(cpu, fresh_cache, monkeypatch):
+    def measured(*a):
+        raise AssertionError("measured although told not to")
+    monkeypatch.setattr(tuning._Probe, "__init__", measured)
+    tuning.tune(cpu, [matvec()], measure=False)
+    assert cpu.tuned.pop("matvec_R4") == {"prefetch": lower.PREFETCH}
+    assert not list((fresh_cache / "measure").glob("*.json"))
