@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jitllm_core import ops, quant, tuning
-from jitllm_core.plugin import Launch
+from backend_check import run_on_device
 
 lower = pytest.importorskip("jitllm_cpu_llvm.lower", reason="the CPU backend plugin is not installed")
 runtime = pytest.importorskip("jitllm_cpu_llvm.runtime", reason="the CPU backend plugin is not installed")
@@ -29,8 +29,14 @@ def test_matvecs_are_tagged_by_layout_and_measured_as_one_token():
 
 
 def test_cpu_tuning_picks_a_candidate_per_tag_and_caches_it(cpu, fresh_cache, monkeypatch):
-    k = matvec()
-    tuning.tune(cpu, [k, ops.matmul(quant.PACKED["R4"], 16, COLS, 4)])  # the larger kernel is the one measured
+    k, probed, probe = matvec(), [], tuning._Probe.__init__
+
+    def spy(self, dev, kernel, variants):
+        probed.append(kernel)
+        probe(self, dev, kernel, variants)
+    monkeypatch.setattr(tuning._Probe, "__init__", spy)
+    tuning.tune(cpu, [ops.matmul(quant.PACKED["R4"], 16, COLS, 4), k])
+    assert probed == [k]  # the tag's largest kernel speaks for it
     assert cpu.tuned["matvec_R4"]["prefetch"] in cpu.tunables["prefetch"]
     assert len(list((fresh_cache / "measure").glob("*.json"))) == 1
     chosen = cpu.tuned.pop("matvec_R4")
@@ -62,23 +68,18 @@ def test_prefetch_options_change_the_code_not_the_results(cpu):
     data = {"w": quant.repack(fmt, raw.reshape(-1), ROWS), "x": rng.standard_normal(4 * COLS).astype(np.float32),
             "xq": rng.integers(0, 256, 4 * quant.DIGITS * COLS).astype(np.uint8),
             "xd": np.full(4 * COLS // 32, 1e-3, np.float32), "xs": rng.standard_normal(4 * COLS // 16).astype(np.float32)}
+    data["y"] = np.zeros(4 * ROWS, np.float32)
     outs = []
     for prefetch in cpu.tunables["prefetch"]:
         text = str(lower.program_module([(k.key(), list(range(len(k.buffers))), [0, 1], True)], [k],
                                         runtime.simd_width(), llvm.get_process_triple(), runtime.isa(),
                                         options={k.key(): {"prefetch": prefetch}}))
         assert ("llvm.prefetch" in text) == bool(prefetch)
-        bufs = {p: cpu.alloc(k.buffers[p].size * (4 if k.buffers[p].dtype == "f32" else 1)) for p in k.buffers}
+        cpu.tune(k.tune_tag, {"prefetch": prefetch})
         try:
-            for p, a in data.items():
-                cpu.upload(bufs[p], a)
-            cpu.tune(k.tune_tag, {"prefetch": prefetch})
-            cpu.program([Launch(k, bufs)]).run({"n_tokens": 4, "t0": 0})
-            outs.append(cpu.download(bufs["y"]).view(np.float32))
+            outs.append(run_on_device(cpu, k, data, {"n_tokens": 4, "t0": 0})["y"])
         finally:
-            cpu.tuned.pop(k.tune_tag, None)
-            for b in bufs.values():
-                cpu.free(b)
+            cpu.tuned.pop(k.tune_tag)
     assert np.isfinite(outs[0]).all() and np.abs(outs[0]).max() > 0
     np.testing.assert_array_equal(outs[0], outs[1])
 
