@@ -67,8 +67,8 @@ def test_prefetch_options_change_the_code_not_the_results(cpu):
     raw[:, 0:4] = (rng.standard_normal((len(raw), 2)) * 0.01).astype(np.float16).view(np.uint8)
     data = {"w": quant.repack(fmt, raw.reshape(-1), ROWS), "x": rng.standard_normal(4 * COLS).astype(np.float32),
             "xq": rng.integers(0, 256, 4 * quant.DIGITS * COLS).astype(np.uint8),
-            "xd": np.full(4 * COLS // 32, 1e-3, np.float32), "xs": rng.standard_normal(4 * COLS // 16).astype(np.float32)}
-    data["y"] = np.zeros(4 * ROWS, np.float32)
+            "xd": np.full(4 * COLS // 32, 1e-3, np.float32),
+            "xs": rng.standard_normal(4 * COLS // 16).astype(np.float32), "y": np.zeros(4 * ROWS, np.float32)}
     outs = []
     for prefetch in cpu.tunables["prefetch"]:
         text = str(lower.program_module([(k.key(), list(range(len(k.buffers))), [0, 1], True)], [k],
