@@ -147,6 +147,7 @@ class Device:
     # the core measures them on each kernel tag (ir.Kernel.tune_as) and calls `tune` with the fastest.
     tunables: dict = {}
     tuned: dict = {}  # tag -> the options `tune` gave it (reports show them)
+    lowering = ""  # the version of the code that lowers kernels: measurements recorded under another are redone
 
     def tune(self, tag: str, options: dict):
         """Kernels tagged `tag` compile with these options (option -> value) from now on."""

@@ -6,8 +6,9 @@ offer candidates for such an option, and before the engine compiles a device's p
 (ir.Kernel.tune_as) among them gets the fastest: the tag's largest kernel, compiled with each combination of
 candidates, runs over copies of its largest buffer that together exceed the caches (as a step streams its
 weights from memory), the candidates alternated round by round; each one's best round decides (a busy moment
-only adds time). The choice is recorded per machine, device configuration and tag (a tag's kernels share their
-inner loop: the first model's largest one speaks for them).
+only adds time). The choice is recorded per machine, device configuration, version of the device's lowering
+(`Device.lowering`: other code, other timings) and tag (a tag's kernels share their inner loop: the first model's
+largest one speaks for them).
 """
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def tune(dev, kernels, progress=None, measure=True):
         for i, (tag, k) in enumerate(sorted(largest.items())):
             if progress:
                 progress("tuning kernels", i, len(largest))
-            key = ("tuning", dev.backend, dev.describe(), tag, repr(dev.tunables))  # per tag: a layout's loop
+            # per tag: a layout's loop
+            key = ("tuning", dev.backend, dev.describe(), dev.lowering, tag, repr(dev.tunables))
             best[tag] = recorded(key)
             if best[tag] is None and measure:
                 probes[tag] = key, _Probe(dev, k, variants)

@@ -46,6 +46,10 @@ def test_cpu_tuning_picks_a_candidate_per_tag_and_caches_it(cpu, fresh_cache, mo
     monkeypatch.setattr(tuning._Probe, "fastest", measured_again)
     tuning.tune(cpu, [k])
     assert cpu.tuned["matvec_R4"] == chosen
+    monkeypatch.setattr(cpu, "lowering", "a newer lowering")  # what was measured with other code is not reused
+    with pytest.raises(AssertionError, match="measured again"):
+        tuning.tune(cpu, [k])
+    monkeypatch.setattr(cpu, "lowering", runtime.LOWERING)
     for i, candidate in enumerate(cpu.tunables["prefetch"]):  # forced (benchmarks/ab_decode.py): whatever was measured
         monkeypatch.setattr(tuning, "FORCED", {"prefetch": i})
         tuning.tune(cpu, [k])
@@ -83,6 +87,18 @@ def test_prefetch_options_change_the_code_not_the_results(cpu):
     assert np.isfinite(outs[0]).all() and np.abs(outs[0]).max() > 0
     np.testing.assert_array_equal(outs[0], outs[1])
 
+
+
+@pytest.mark.parametrize("width, isa", [(8, {"avx2"}), (16, {"avx512bw", "avx2"})])
+def test_prefetch_once_per_line_of_streamed_weights(width, isa):
+    """An R4 block of 16 rows is 5 lines (the scales' words, then 4 words of nibbles, 64 bytes each): its
+    iteration prefetches each once, whether the 16 rows take one vector of lanes or two (AVX2: each reads half
+    of every line) and though its words are read in an unrolled loop."""
+    k, distances = matvec(), ((4096, 3), (16384, 1))
+    text = str(lower.program_module([(k.key(), list(range(len(k.buffers))), [0, 1], True)], [k], width,
+                                    llvm.get_process_triple(), frozenset(isa), options={k.key(): {"prefetch": distances}}))
+    lines = quant.PACKED["R4"].unit * quant.ROWS // 64
+    assert text.count("call void @\"llvm.prefetch.p0\"") == lines * len(distances)
 
 def test_tuning_without_measuring_gives_the_defaults_unrecorded(cpu, fresh_cache, monkeypatch):
     def measured(*a):

@@ -15,7 +15,7 @@ one wide load, a float of a function of 4 bits is one table lookup (vpermps), ad
 offset visible, and a sum of `dot4`s accumulates each into the sum so far (VNNI's vpdpbusd; where the CPU has no
 VNNI and the bytes are provably small, pmaddubsw's pair sums add up as i16 as far as their bound allows, then widen
 once). Weights streamed from memory are prefetched a few KB ahead (into L1) and further (into L2), once per
-address, where the device's tuning keeps it (CpuDevice.tunables).
+cache line, where the device's tuning keeps it (CpuDevice.tunables).
 A program module adds `step(ptr bufs, ptr scalars, tid, nth, barrier, counters)` that calls every launch's kernel in
 order (through functions of STEP_PART launches each) with a barrier after each that a later launch depends on.
 """
@@ -44,7 +44,8 @@ PREFETCH_MIN = 256 << 10  # "large": more than stays in L2
 STEP_PART = 64  # launches per function of a program's step
 CLAIMS = 4  # chunks per thread of a parallel loop's claimed half
 CLAIM_STRIDE = 16  # i32s between two parallel loops' claim counters (a cache line each)
-PREFETCHED = "prefetched"  # memo entry: the addresses a body has prefetched
+PREFETCHED = "prefetched"  # memo entry: the cache lines a body has prefetched, one set for all its vectors
+LANE0 = "first lane"  # venv entry (no IR name has a space): the vector's first lane within the loop's iteration
 
 # what every program links in: the barrier, and the timestamp a timed program's thread 0 takes after each launch
 SUPPORT_IR = """
@@ -185,7 +186,6 @@ class KernelLowering:
         self.memo = {}  # IR node id -> VVal within one vector body (a block's bytes are loaded once)
         self.loaded = _loaded_buffers(kernel.body)  # stores to other buffers keep what memo holds
         self.read_sets = {}  # IR node id -> the buffers it loads from (`reads`)
-        self.prefetching = True  # off in the iterations of an unrolled reduce whose loads share a cache line
         self.module = module
 
     # ------------------------------------------------------------------ helpers
@@ -637,8 +637,7 @@ class KernelLowering:
             if all(p.kind != "v" for p in parts) and sum(p.stride for p in parts) == 1:
                 vt = L.VectorType(STORAGE[dt], self.W)
                 ptr = self.element(e.buf, [p.val for p in parts])
-                if self.prefetching:
-                    self.prefetch_ahead(e.buf, ptr, e.index, venv)
+                self.prefetch_ahead(e.buf, ptr, e.index, venv, sum(p.stride for p in parts))
                 v = b.load(ptr, typ=vt, align=1)
                 return VVal("v", self.from_storage(dt, v))
             vt, mt = L.VectorType(STORAGE[dt], self.W), L.VectorType(I1, self.W)
@@ -736,16 +735,12 @@ class KernelLowering:
 
     def unrolled_iterations(self, n, memos):
         """Iterations 0 .. n - 1 of unrolled reduces in a vector body, each with a memo per vector of lanes (a copy
-        of its memo: the enclosing body's values stay shared, the iteration's are its own), and one prefetch per
-        cache line of the consecutive vectors of bytes consecutive iterations read (interleaved weights); the
-        body's memo and prefetching are as before once they are done."""
+        of its memo: the enclosing body's values stay shared, the iteration's are its own); the body's memo is as
+        before once they are done."""
         saved = self.memo
-        for m in memos:
-            m.setdefault(PREFETCHED, set())  # shared by the iterations' memos, as what they load is
         for j in range(n):
-            self.prefetching = j % max(1, 64 // self.W) == 0
             yield j, [dict(m) for m in memos]
-        self.memo, self.prefetching = saved, True
+        self.memo = saved
 
     def joint_dot4_reduces(self, e, venvs, memos):
         """The unrolled sums of dot4s in e that read the same words each iteration -- a sub-block's sums, one per
@@ -780,14 +775,19 @@ class KernelLowering:
         fn = self.declare("llvm.x86.avx512.permvar.sf.512", vt, [vt, v.type])
         return self.b.call(fn, [L.Constant(vt, [float(t) for t in table]), v])
 
-    def prefetch_ahead(self, buf, ptr, index, venv):
-        """Prefetch the kernel's distances (PREFETCH unless tuned) past ptr (element `index` of buf) when buf is a
-        large read-only byte buffer (weights streamed from DRAM), once per address in a body: a quantized dot
-        reads each word for every digit of the input, and prefetches take load slots."""
+    def prefetch_ahead(self, buf, ptr, index, venv, lane_bytes):
+        """Prefetch the kernel's distances (PREFETCH unless tuned) past ptr (element `index` of buf, lanes
+        `lane_bytes` apart) when buf is a large read-only byte buffer (weights streamed from DRAM), once per cache
+        line in a body, whichever vector of lanes or unrolled iteration loads from it first: a quantized dot
+        reads each word for every digit of the input, a line holds the words of several vectors or iterations,
+        and prefetches take load slots."""
         p = self.k.buffers[buf]
+        if not self.prefetches or p.write or p.dtype != "u8" or p.size < PREFETCH_MIN:
+            return
         done = self.memo.setdefault(PREFETCHED, set())
-        key = (buf, _address_key(index, _uniform_constants(venv)))
-        if self.prefetches and not p.write and p.dtype == "u8" and p.size >= PREFETCH_MIN and key not in done:
+        first = venv[LANE0].val.constant if LANE0 in venv else 0
+        key = (buf, _line_key(index, _uniform_constants(venv), first * lane_bytes))
+        if key not in done:
             done.add(key)
             for distance, locality in self.prefetches:
                 ahead = self.b.gep(ptr, [L.Constant(I32, distance)], source_etype=I8)
@@ -802,8 +802,7 @@ class KernelLowering:
             return None
         ity = L.IntType(8 * n)
         ptr = self.element(buf, [p.val for p in parts])
-        if self.prefetching or n * self.W >= 64:  # a load of a whole line (or more) prefetches its own
-            self.prefetch_ahead(buf, ptr, index, venv)
+        self.prefetch_ahead(buf, ptr, index, venv, n)
         v = self.b.load(ptr, typ=L.VectorType(ity, self.W), align=1)
         return VVal("v", v if n == 4 else self.b.zext(v, L.VectorType(I32, self.W)))
 
@@ -830,9 +829,10 @@ class KernelLowering:
             self.memo = {}
 
         def vbody(i):
-            venvs = [{s.var: VVal("lin", self.b.add(start, self.b.add(i, L.Constant(I32, u * self.W))), 1)}
-                     for u in range(jam)]
-            memos[:] = [{} for _ in venvs]
+            venvs = [{s.var: VVal("lin", self.b.add(start, self.b.add(i, L.Constant(I32, u * self.W))), 1),
+                      LANE0: VVal("u", L.Constant(I32, u * self.W))} for u in range(jam)]
+            prefetched = set()
+            memos[:] = [{PREFETCHED: prefetched} for _ in venvs]
             j = 0
             while j < len(s.body):
                 st = s.body[j]
@@ -928,7 +928,8 @@ class KernelLowering:
             # reduce by reduce, each one's vectors of lanes together: a value shared by the vectors (a broadcast
             # weight) is used up before the next one is loaded, so only the accumulators stay live
             self.env[first.var] = c
-            memos = [{} for _ in venvs]
+            prefetched = set()
+            memos = [{PREFETCHED: prefetched} for _ in venvs]
             for i, e in enumerate(reds):
                 for t in _terms(e.value) if e.op == "add" else [e.value]:
                     self.joint_dot4_reduces(t, venvs, memos)
@@ -1233,6 +1234,21 @@ def _address_key(e, consts):
             return _CONST_OPS[e.op](a, b)
         return e.op, a, b
     return e.name if isinstance(e, ir.Var) else id(e)
+
+
+def _line_key(index, consts, offset):
+    """The cache line of a byte index plus `offset`, as a key: its terms that vary (structural keys, as
+    `_address_key`'s) and the 64-byte line of its constant part, on the assumption that what varies moves by
+    whole lines (a block of an interleaved layout is a multiple of 64 bytes; where not, a prefetch per 64
+    bytes of the constant part still streams every line, one early or late)."""
+    varying, const = [], offset
+    for t in _index_terms(index):
+        key = _address_key(t, consts)
+        if isinstance(key, int):
+            const += key
+        else:
+            varying.append(repr(key))
+    return tuple(sorted(varying)), const // 64
 
 
 def _shaped_like(v):

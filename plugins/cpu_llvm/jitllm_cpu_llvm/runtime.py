@@ -226,6 +226,7 @@ class CpuDevice(Device):
     # how far ahead streamed weights are prefetched (lower.PREFETCH), or not at all: Intel's Ice Lake and Emerald
     # Rapids stream faster with it, a Zen 3's 4-bit matvecs a third slower
     tunables = {"prefetch": [lower.PREFETCH, ()]}
+    lowering = LOWERING
 
     def __init__(self, name, threads, memory_bytes):
         self.name = name
