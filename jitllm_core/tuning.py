@@ -1,7 +1,8 @@
 """Lowering options tuned by measurement on the machine at hand (Device.tunables), once per machine.
 
-What suits one CPU does not suit another: software prefetches of streamed weights speed an Ice Lake's and an
-Emerald Rapids' decode matvecs up and slow a Zen 3's 4-bit ones by a third (docs/benchmarks.md). So a device may
+What suits one CPU does not suit another: software prefetches of streamed weights speed every decode matvec of an
+Ice Lake and an Emerald Rapids up, and a Zen 3's 4-bit ones, while its 6-bit one streams faster without them on two
+threads (docs/benchmarks.md). So a device may
 offer candidates for such an option, and before the engine compiles a device's programs each kernel tag
 (ir.Kernel.tune_as) among them gets the fastest: the tag's largest kernel, compiled with each combination of
 candidates, runs over copies of its largest buffer that together exceed the caches (as a step streams its
