@@ -43,7 +43,7 @@ def tune(dev, kernels, progress=None, measure=True):
         for i, (tag, k) in enumerate(sorted(largest.items())):
             if progress:
                 progress("tuning kernels", i, len(largest))
-            # per tag: a layout's loop
+            # one per tag (a layout's loop) on this machine, configuration and version of the lowering code
             key = ("tuning", dev.backend, dev.describe(), dev.lowering, tag, repr(dev.tunables))
             best[tag] = recorded(key)
             if best[tag] is None and measure:

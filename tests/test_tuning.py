@@ -88,7 +88,6 @@ def test_prefetch_options_change_the_code_not_the_results(cpu):
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
-
 @pytest.mark.parametrize("width, isa", [(8, {"avx2"}), (16, {"avx512bw", "avx2"})])
 def test_prefetch_once_per_line_of_streamed_weights(width, isa):
     """An R4 block of 16 rows is 5 lines (the scales' words, then 4 words of nibbles, 64 bytes each): its
@@ -96,9 +95,11 @@ def test_prefetch_once_per_line_of_streamed_weights(width, isa):
     of every line) and though its words are read in an unrolled loop."""
     k, distances = matvec(), ((4096, 3), (16384, 1))
     text = str(lower.program_module([(k.key(), list(range(len(k.buffers))), [0, 1], True)], [k], width,
-                                    llvm.get_process_triple(), frozenset(isa), options={k.key(): {"prefetch": distances}}))
+                                    llvm.get_process_triple(), frozenset(isa),
+                                    options={k.key(): {"prefetch": distances}}))
     lines = quant.PACKED["R4"].unit * quant.ROWS // 64
     assert text.count("call void @\"llvm.prefetch.p0\"") == lines * len(distances)
+
 
 def test_tuning_without_measuring_gives_the_defaults_unrecorded(cpu, fresh_cache, monkeypatch):
     def measured(*a):
