@@ -831,8 +831,7 @@ class KernelLowering:
         def vbody(i):
             venvs = [{s.var: VVal("lin", self.b.add(start, self.b.add(i, L.Constant(I32, u * self.W))), 1),
                       LANE0: VVal("u", L.Constant(I32, u * self.W))} for u in range(jam)]
-            prefetched = set()
-            memos[:] = [{PREFETCHED: prefetched} for _ in venvs]
+            memos[:] = _body_memos(len(venvs))
             j = 0
             while j < len(s.body):
                 st = s.body[j]
@@ -928,8 +927,7 @@ class KernelLowering:
             # reduce by reduce, each one's vectors of lanes together: a value shared by the vectors (a broadcast
             # weight) is used up before the next one is loaded, so only the accumulators stay live
             self.env[first.var] = c
-            prefetched = set()
-            memos = [{PREFETCHED: prefetched} for _ in venvs]
+            memos = _body_memos(len(venvs))
             for i, e in enumerate(reds):
                 for t in _terms(e.value) if e.op == "add" else [e.value]:
                     self.joint_dot4_reduces(t, venvs, memos)
@@ -1234,6 +1232,12 @@ def _address_key(e, consts):
             return _CONST_OPS[e.op](a, b)
         return e.op, a, b
     return e.name if isinstance(e, ir.Var) else id(e)
+
+
+def _body_memos(n):
+    """Fresh memos for the n vectors of lanes of a body: their own values, one set of prefetched lines."""
+    prefetched = set()
+    return [{PREFETCHED: prefetched} for _ in range(n)]
 
 
 def _line_key(index, consts, offset):
