@@ -1,5 +1,6 @@
 """Instructions of the innermost loop of each packed layout's decode matvec and of the prefill gemm's register
-tiles, as LLVM emits them for this CPU: how many, and of which kinds (the counts docs/benchmarks.md quotes).
+tiles, as LLVM emits them for this CPU: how many, of which kinds, and the matvecs' prefetches per distance of
+lower.PREFETCH (one per cache line the loop reads: the counts docs/benchmarks.md quotes).
 
     python benchmarks/instructions.py
 """
@@ -11,7 +12,7 @@ import llvmlite.binding as llvm
 from jitllm_core import ops, quant, registry
 from jitllm_cpu_llvm import lower, runtime
 
-MATVECS = [("Q4_1", 1536, 576), ("Q4_K", 2048, 8192), ("Q6_K", 2048, 8192)]
+MATVECS = [("Q4_1", 1536, 576), ("Q4_K", 2048, 8192), ("Q6_K", 2048, 8192), ("Q8_0", 49152, 576)]
 
 
 def loops(asm):
@@ -42,8 +43,9 @@ def main():
         body = max(loops(assembly(ops.matmul(fmt, rows, cols, 1))), key=len)
         weights = fmt.block * quant.ROWS // fmt.pieces
         vector = [op for op in body if op.startswith("v") or op.startswith("prefetch")]
+        prefetches = sum(op.startswith("prefetch") for op in body) // len(lower.PREFETCH)
         print(f"{fmt.name:4} {rows} x {cols}: loop of {len(body)} instructions per {weights} weights, "
-              f"{len(vector)} vector or prefetch")
+              f"{len(vector)} vector or prefetch; {prefetches} prefetches per distance")
         print("     " + counts(body))
     # the prefill matmul's loops: its register tiles (a column each; the step's last tokens a smaller tile), and
     # the block's loop around them, most of it the dequantization of the block into scratch
