@@ -370,15 +370,15 @@ class R6(Interleaved):
         return F((_word(k, buf, at(4 + 4 * s4, 4)) << 24 - 8 * j) >> 24)
 
     def block_dot(self, k, buf, at, inp, piece):
-        subs, n = [], 16 // self.pieces
+        d, subs, n = ir.f16bits(_word(k, buf, at(0, 4))), [], 16 // self.pieces
         for j in range(n):
             s, e0 = piece * n + j, piece * 16 * n + 16 * j
             q = self.quads(k, buf, at, s)
-            sums = [sum((ir.dot4(q[i], inp.word(d, e0 + 4 * i)) for i in range(1, 4)), ir.dot4(q[0], inp.word(d, e0)))
-                    for d in range(inp.digits)]
-            subs.append(self.scale(k, buf, at, *_byte_of(piece, n, j))
+            sums = [sum((ir.dot4(q[i], inp.word(g, e0 + 4 * i)) for i in range(1, 4)), ir.dot4(q[0], inp.word(g, e0)))
+                    for g in range(inp.digits)]
+            subs.append((d * self.scale(k, buf, at, *_byte_of(piece, n, j)))
                         * (_digit_dot(sums) * inp.scale(e0) - 32.0 * inp.sum(e0)))
-        return ir.f16bits(_word(k, buf, at(0, 4))) * sum(subs[1:], subs[0])
+        return sum(subs[1:], subs[0])
 
     def block_values(self, k, buf, at):
         d, out = ir.f16bits(_word(k, buf, at(0, 4))), []

@@ -1,4 +1,6 @@
 """Lowering options tuned by measurement (jitllm_core.tuning): the CPU's prefetch of streamed weights."""
+import re
+
 import llvmlite.binding as llvm
 import numpy as np
 import pytest
@@ -100,6 +102,22 @@ def test_prefetch_once_per_line_of_streamed_weights(width, isa):
     text = module_text(k, distances, width, isa)
     lines = quant.PACKED["R4"].unit * quant.ROWS // 64
     assert text.count("call void @\"llvm.prefetch.p0\"") == lines * len(distances)
+
+
+def test_each_input_word_feeds_both_vectors_of_lanes_at_once():
+    """Without VNNI (AVX2: 16 registers of 8 lanes, two vectors to a row group), R6's sums per digit of the input --
+    4 dot4s each, written out, not an unrolled reduce -- are computed for both vectors of lanes in turn, so that
+    each input word broadcast is used by both within one sum's pmaddubsw calls (the first vector's whole block
+    first kept all 48 broadcasts of a block's quarter live until the second vector's, spilled to the stack)."""
+    k = ops.matmul(quant.PACKED["R6"], 64, 512, 1)
+    mod = llvm.parse_assembly(module_text(k, (), 8, {"avx2"}))
+    runtime.optimize(mod)  # the vectors' loads of one input word merged into one broadcast
+    inputs = re.findall(r"@llvm\.x86\.avx2\.pmadd\.ub\.sw\(<32 x i8> %[\w.]+, <32 x i8> (%[\w.]+)\)", str(mod))
+    uses = {}
+    for i, x in enumerate(inputs):
+        uses.setdefault(x, []).append(i)
+    assert len(inputs) == 96 and len(uses) == 48  # a quarter block: 4 sub-blocks x 4 words x 3 digits, 2 vectors
+    assert all(u[-1] - u[0] < 2 * 4 for u in uses.values())
 
 
 def test_tuning_without_measuring_gives_the_defaults_unrecorded(cpu, fresh_cache, monkeypatch):

@@ -9,7 +9,8 @@ accumulator across both loops (a quantized dot product then does one horizontal 
 summand accumulating with its own multiply-add. Inside a vector loop, reduces over a uniform loop run across the
 lanes (outer-loop vectorization), sibling ones in one loop sharing what they load, two vectors of lanes per
 iteration, unrolled reduces inside them spread over four chains (sums of dot4s that read the same words, one per
-digit of the input, computed together word by word); stores under a lane-varying `if` are masked. What quantized
+digit of the input, computed together word by word; sums written out, each for every vector in turn); stores under
+a lane-varying `if` are masked. What quantized
 weights need is recognized in the IR rather than written per format: a little-endian field assembled from bytes is
 one wide load, a float of a function of 4 bits is one table lookup (vpermps), addresses keep each index term's
 offset visible, and a sum of `dot4`s accumulates each into the sum so far (VNNI's vpdpbusd; where the CPU has no
@@ -655,7 +656,7 @@ class KernelLowering:
                 v = self.field_load(field, venv)
                 if v:
                     return v
-            if e.op == "add" and e.dtype == "i32" and any(_is_dot4(t) for t in _terms(e)):
+            if _is_dot4_sum(e):
                 return VVal("v", self.dot4_sum(_terms(e), venv))
             x, y = self.vexpr(e.a, venv), self.vexpr(e.b, venv)
             if x.kind == "u" and y.kind == "u":
@@ -758,6 +759,17 @@ class KernelLowering:
         for reds in groups.values():
             for m, row in zip(memos, self.dot4_reduces(reds, venvs, memos)):
                 m.update((id(r), (r, v)) for r, v in zip(reds, row))
+
+    def joint_dot4_sums(self, e, venvs, memos):
+        """The sums of dot4s written out in e (a sub-block's digit sums, each a sum of a few dot4s), each computed
+        for every vector of lanes in turn (memoized for e's evaluation), inner sums first: an input word
+        broadcast for one is used by every vector at once. Vector after vector, the whole of e's broadcasts would
+        stay live until the last vector, more than AVX2's 16 registers hold (spilled)."""
+        for s in _dot4_sums_in(e):
+            for u, venv in enumerate(venvs):
+                self.memo = memos[u]
+                self.vexpr(s, venv)
+                memos[u] = self.memo
 
     def lane_pointers(self, buf, idx):
         """The address of element idx of buf in each lane (for a gather or a scatter)."""
@@ -931,6 +943,7 @@ class KernelLowering:
             for i, e in enumerate(reds):
                 for t in _terms(e.value) if e.op == "add" else [e.value]:
                     self.joint_dot4_reduces(t, venvs, memos)
+                    self.joint_dot4_sums(t, venvs, memos)
                     for u, venv in enumerate(venvs):
                         self.memo, acc = memos[u], accs[u][i]
                         v = self.to_vec(self.vexpr(t, venv), dt)
@@ -1201,6 +1214,23 @@ def _dot4_reduces_in(e, seen=None):
     if isinstance(e, ir.Reduce):
         return [e] if _dot4_reduce(e) else []
     return [r for c in _children(e) for r in _dot4_reduces_in(c, seen)]
+
+
+def _is_dot4_sum(e):
+    """An i32 sum that lowers as one Dot4Sum (KernelLowering._vexpr): dot4s among its summands."""
+    return isinstance(e, ir.Bin) and e.op == "add" and e.dtype == "i32" and any(_is_dot4(t) for t in _terms(e))
+
+
+def _dot4_sums_in(e, seen=None):
+    """The sums of dot4s in e (outside reduces) as the lowering evaluates them, a sum after the sums in its
+    summands."""
+    seen = set() if seen is None else seen
+    if id(e) in seen or isinstance(e, ir.Reduce):
+        return []
+    seen.add(id(e))
+    if _is_dot4_sum(e):
+        return [s for t in _terms(e) for c in _children(t) for s in _dot4_sums_in(c, seen)] + [e]
+    return [s for c in _children(e) for s in _dot4_sums_in(c, seen)]
 
 
 def _loads(e):
