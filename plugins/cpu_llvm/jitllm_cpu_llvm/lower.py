@@ -9,8 +9,9 @@ accumulator across both loops (a quantized dot product then does one horizontal 
 summand accumulating with its own multiply-add. Inside a vector loop, reduces over a uniform loop run across the
 lanes (outer-loop vectorization), sibling ones in one loop sharing what they load, two vectors of lanes per
 iteration, unrolled reduces inside them spread over four chains (sums of dot4s that read the same words, one per
-digit of the input, computed together word by word; sums written out, each for every vector in turn); stores under
-a lane-varying `if` are masked. What quantized
+digit of the input, computed together word by word; sums written out, each for every vector in turn; other
+unrolled reduces iteration by iteration for every vector: an input broadcast feeds all vectors at once); stores
+under a lane-varying `if` are masked. What quantized
 weights need is recognized in the IR rather than written per format: a little-endian field assembled from bytes is
 one wide load, a float of a function of 4 bits is one table lookup (vpermps), addresses keep each index term's
 offset visible, and a sum of `dot4`s accumulates each into the sum so far (VNNI's vpdpbusd; where the CPU has no
@@ -700,25 +701,42 @@ class KernelLowering:
         return acc.value()
 
     def unrolled_reduce(self, e, venv):
-        """An unrolled reduce in a vector body: its iterations' summands spread over UNROLL_ACCS chains of
-        multiply-adds, so that the add latency does not bound it, joined at the end (a sum of dot4s: see
-        dot4_reduces)."""
+        """An unrolled reduce in a vector body (a sum of dot4s: see dot4_reduces; others: unrolled_reduces)."""
         if _dot4_reduce(e):
             return self.dot4_reduces([e], [venv], [self.memo])[0][0]
-        dt, chains, n = e.value.dtype, [], 0
+        return self.unrolled_reduces(e, [venv], [self.memo])[0]
+
+    def unrolled_reduces(self, e, venvs, memos):
+        """Unrolled reduce e for each vector of lanes (venvs, each with its memo), iteration by iteration, the
+        vectors innermost, so that what an iteration loads for all lanes (an input element broadcast) feeds every
+        vector at once: each vector's summands spread over UNROLL_ACCS chains of multiply-adds, so that the add
+        latency does not bound it, joined at the end. Returns, per venv, the value."""
+        dt, chains, n = e.value.dtype, [[] for _ in venvs], 0
         terms = _terms(e.value) if e.op == "add" else [e.value]
-        for j, (self.memo,) in self.unrolled_iterations(e.extent.value, [self.memo]):
+        for j, its in self.unrolled_iterations(e.extent.value, memos):
             for t in terms:
-                chain = chains[n % UNROLL_ACCS] if len(chains) == UNROLL_ACCS else None
-                v = self.to_vec(self.vexpr(t, {**venv, e.var: VVal("u", L.Constant(I32, j))}), dt)
-                if chain is None:
-                    chains.append(v)
-                else:
-                    chains[n % UNROLL_ACCS] = self.combine(e.op, chain, v, dt)
+                for u, venv in enumerate(venvs):
+                    self.memo = its[u]
+                    v = self.to_vec(self.vexpr(t, {**venv, e.var: VVal("u", L.Constant(I32, j))}), dt)
+                    if len(chains[u]) < UNROLL_ACCS:
+                        chains[u].append(v)
+                    else:
+                        chains[u][n % UNROLL_ACCS] = self.combine(e.op, chains[u][n % UNROLL_ACCS], v, dt)
                 n += 1
-        while len(chains) > 1:
-            chains = [self.combine(e.op, a, b, dt) for a, b in zip(chains[::2], chains[1::2])] + chains[len(chains) // 2 * 2:]
-        return VVal("v", chains[0])
+        out = []
+        for c in chains:
+            while len(c) > 1:
+                c = [self.combine(e.op, a, b, dt) for a, b in zip(c[::2], c[1::2])] + c[len(c) // 2 * 2:]
+            out.append(VVal("v", c[0]))
+        return out
+
+    def joint_unrolled_reduces(self, e, venvs, memos):
+        """The unrolled reduces in e other than sums of dot4s (a block's dot of f32 products, say), each computed
+        for every vector of lanes together (unrolled_reduces; memoized for e's evaluation)."""
+        for r in _reduces_in(e, lambda r: _unrolled(r) and not _dot4_reduce(r)):
+            if id(r) not in memos[0]:
+                for m, v in zip(memos, self.unrolled_reduces(r, venvs, memos)):
+                    m[id(r)] = (r, v)
 
     def dot4_reduces(self, reds, venvs, memos):
         """Unrolled sums of dot4s over the same extent, for each vector of lanes (venvs, each with its memo),
@@ -751,7 +769,7 @@ class KernelLowering:
         AVX2's 16 registers hold (spilled)."""
         consts = _uniform_constants(venvs[0])
         groups = {}
-        for r in _dot4_reduces_in(e):
+        for r in _reduces_in(e, _dot4_reduce):
             if id(r) not in memos[0]:
                 words = frozenset(_address_key(ld.index, {**consts, r.var: 0}) for t in _terms(r.value)
                                   for ld in _loads(t.a))
@@ -944,6 +962,7 @@ class KernelLowering:
                 for t in _terms(e.value) if e.op == "add" else [e.value]:
                     self.joint_dot4_reduces(t, venvs, memos)
                     self.joint_dot4_sums(t, venvs, memos)
+                    self.joint_unrolled_reduces(t, venvs, memos)
                     for u, venv in enumerate(venvs):
                         self.memo, acc = memos[u], accs[u][i]
                         v = self.to_vec(self.vexpr(t, venv), dt)
@@ -1205,15 +1224,15 @@ def _dot4_reduce(e):
     return isinstance(e, ir.Reduce) and e.op == "add" and _unrolled(e) and all(_is_dot4(t) for t in _terms(e.value))
 
 
-def _dot4_reduces_in(e, seen=None):
-    """The unrolled sums of dot4s in e (not inside another reduce), in order."""
+def _reduces_in(e, pick, seen=None):
+    """The reduces in e (not inside another reduce) that pick accepts, in order."""
     seen = set() if seen is None else seen
     if id(e) in seen:
         return []
     seen.add(id(e))
     if isinstance(e, ir.Reduce):
-        return [e] if _dot4_reduce(e) else []
-    return [r for c in _children(e) for r in _dot4_reduces_in(c, seen)]
+        return [e] if pick(e) else []
+    return [r for c in _children(e) for r in _reduces_in(c, pick, seen)]
 
 
 def _is_dot4_sum(e):
