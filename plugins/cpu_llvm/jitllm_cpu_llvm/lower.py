@@ -11,13 +11,13 @@ lanes (outer-loop vectorization), sibling ones in one loop sharing what they loa
 iteration, unrolled reduces inside them spread over four chains (sums of dot4s that read the same words, one per
 digit of the input, computed together word by word; sums written out, each for every vector in turn; other
 unrolled reduces iteration by iteration for every vector: an input broadcast feeds all vectors at once); stores
-under a lane-varying `if` are masked. What quantized
-weights need is recognized in the IR rather than written per format: a little-endian field assembled from bytes is
-one wide load, a float of a function of 4 bits is one table lookup (vpermps), addresses keep each index term's
-offset visible, and a sum of `dot4`s accumulates each into the sum so far (VNNI's vpdpbusd; where the CPU has no
-VNNI and the bytes are provably small, pmaddubsw's pair sums add up as i16 as far as their bound allows, then widen
-once). Weights streamed from memory are prefetched a few KB ahead (into L1) and further (into L2), once per
-cache line, where the device's tuning keeps it (CpuDevice.tunables).
+under a lane-varying `if` are masked. What quantized weights need is recognized in the IR rather than written per
+format: a little-endian field assembled from bytes is one wide load, a float of a function of 4 bits is one table
+lookup (vpermps), addresses keep each index term's offset visible, and a sum of `dot4`s accumulates each into the
+sum so far (VNNI's vpdpbusd; where the CPU has no VNNI and the bytes are provably small, pmaddubsw's pair sums add
+up as i16 as far as their bound allows, then widen once). Weights streamed from memory are prefetched a few KB
+ahead (into L1) and further (into L2), once per cache line, where the device's tuning keeps it
+(CpuDevice.tunables).
 A program module adds `step(ptr bufs, ptr scalars, tid, nth, barrier, counters)` that calls every launch's kernel in
 order (through functions of STEP_PART launches each) with a barrier after each that a later launch depends on.
 """
