@@ -784,10 +784,16 @@ class KernelLowering:
         broadcast for one is used by every vector at once. Vector after vector, the whole of e's broadcasts would
         stay live until the last vector, more than AVX2's 16 registers hold (spilled)."""
         for s in _dot4_sums_in(e):
-            for u, venv in enumerate(venvs):
-                self.memo = memos[u]
-                self.vexpr(s, venv)
-                memos[u] = self.memo
+            self.each_vector(venvs, memos, lambda u, venv: self.vexpr(s, venv))
+
+    def each_vector(self, venvs, memos, fn):
+        """fn(u, venv) for each vector of lanes of a body in turn, with its memo (memos[u]) keeping what fn
+        evaluated for it."""
+        for u, venv in enumerate(venvs):
+            self.memo = memos[u]
+            fn(u, venv)
+            memos[u] = self.memo
+        self.memo = {}
 
     def lane_pointers(self, buf, idx):
         """The address of element idx of buf in each lane (for a gather or a scatter)."""
@@ -852,11 +858,7 @@ class KernelLowering:
         memos = []  # per vector of lanes: what its statements have evaluated, shared by the later ones
 
         def each(venvs, fn):
-            for u, venv in enumerate(venvs):
-                self.memo = memos[u]
-                fn(venv)
-                memos[u] = self.memo
-            self.memo = {}
+            self.each_vector(venvs, memos, lambda u, venv: fn(venv))
 
         def vbody(i):
             venvs = [{s.var: VVal("lin", self.b.add(start, self.b.add(i, L.Constant(I32, u * self.W))), 1),
@@ -963,13 +965,12 @@ class KernelLowering:
                     self.joint_dot4_reduces(t, venvs, memos)
                     self.joint_dot4_sums(t, venvs, memos)
                     self.joint_unrolled_reduces(t, venvs, memos)
-                    for u, venv in enumerate(venvs):
-                        self.memo, acc = memos[u], accs[u][i]
-                        v = self.to_vec(self.vexpr(t, venv), dt)
+
+                    def accumulate(u, venv):  # called at once: t, e and i are this iteration's
+                        acc, v = accs[u][i], self.to_vec(self.vexpr(t, venv), dt)
                         self.b.store(self.combine(e.op, self.b.load(acc), v, dt), acc)
-                        memos[u] = self.memo
+                    self.each_vector(venvs, memos, accumulate)
             del self.env[first.var]
-            self.memo = {}
 
         def block(c0):
             ident = L.Constant(self.vec_type(dt), [_identity(first.op, dt)] * self.W)
