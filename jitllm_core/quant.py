@@ -15,8 +15,9 @@ broadcast). R4, R4K and R6 are *dot4 layouts*: their fields are words (4 weights
 file's nibble order, Q6_K's q whole), and their dots multiply the weights' integers by the input's
 (`ops.quantize_input`: 3 signed base-256 digits per element, each within 2^-24 of its span's largest) with
 `ir.dot4`, 4 byte products to a lane per instruction where the CPU has VNNI, then apply the scales in f32
-(d * scale * sum q x + offset * sum x, the input's sums read for the offsets). Sizes are the file's (Q4_K: 4.6 bits per weight instead of 4.5,
-its packed 6-bit scales widened to bytes; Q6_K: 212 bytes a block instead of 210, to keep words whole).
+(d * scale * sum q x + offset * sum x, the input's sums read for the offsets). Sizes are the file's (Q4_K: 4.6
+bits per weight instead of 4.5, its packed 6-bit scales widened to bytes; Q6_K: 212 bytes a block instead of 210,
+to keep words whole).
 """
 from __future__ import annotations
 
