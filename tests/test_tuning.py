@@ -11,6 +11,7 @@ from backend_check import run_on_device
 
 lower = pytest.importorskip("jitllm_cpu_llvm.lower", reason="the CPU backend plugin is not installed")
 runtime = pytest.importorskip("jitllm_cpu_llvm.runtime", reason="the CPU backend plugin is not installed")
+assembly = pytest.importorskip("jitllm_cpu_llvm.assembly", reason="the CPU backend plugin is not installed")
 
 ROWS, COLS = 576, 1536  # a 553 KB R4 matrix: large enough to be prefetched (lower.PREFETCH_MIN)
 
@@ -144,3 +145,19 @@ def test_tuning_without_measuring_gives_the_defaults_unrecorded(cpu, fresh_cache
     tuning.tune(cpu, [matvec()], measure=False)
     assert cpu.tuned.pop("matvec_R4") == {"prefetch": lower.PREFETCH}
     assert not list((fresh_cache / "measure").glob("*.json"))
+
+
+@pytest.mark.skipif(not llvm.get_process_triple().startswith("x86_64"), reason="compiles for an x86 CPU")
+@pytest.mark.parametrize("name", ["Q4_1", "Q4_K", "Q6_K"])
+def test_vnni_decode_loops_take_each_digit_product_once_in_registers(name):
+    """On an AVX-512 VNNI CPU (the kind the CPU targets are set on; compiled here for an Ice Lake server, not run) a
+    dot4 layout's decode loop makes the products of each weight with each input digit in one `vpdpbusd` apiece
+    (16 lanes of 4: 64 a instruction), none by the AVX2 fallback, and keeps its values in registers: a change made
+    for AVX2 must not cost the machines the targets were met on."""
+    fmt = quant.packed_format(quant.get_format(name, 8192), 2048)  # streamed: prefetched as in a step
+    body = assembly.product_loop(assembly.assembly(ops.matmul(fmt, 2048, 8192, 1), "icelake-server"))
+    mnemonics = [x.split()[0] for x in body]
+    weights = fmt.block * quant.ROWS // fmt.pieces
+    assert mnemonics.count("vpdpbusd") == quant.DIGITS * weights // 64
+    assert "vpmaddubsw" not in mnemonics and "vpmaddwd" not in mnemonics
+    assert assembly.spill_stores(body) == 0, body

@@ -47,12 +47,18 @@ def target_machine():
     return llvm.Target.from_triple(triple).create_target_machine(cpu=cpu, features=features, opt=3)
 
 
-def optimize(mod):
+def optimize(mod, tm=None):
+    """LLVM's -O3 on mod, for this CPU or for target machine tm (assembly.py's named CPUs)."""
     global _passes
     with _init_lock:
         if _passes is None:
-            _passes = llvm.create_pass_builder(target_machine(), llvm.create_pipeline_tuning_options(speed_level=3))
-        _passes.getModulePassManager().run(mod, _passes)
+            _passes = _pass_builder(target_machine())
+        passes = _passes if tm is None else _pass_builder(tm)
+        passes.getModulePassManager().run(mod, passes)
+
+
+def _pass_builder(tm):
+    return llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=3))
 
 
 def simd_width():
