@@ -1,5 +1,6 @@
 """Lowering options tuned by measurement (jitllm_core.tuning): the CPU's prefetch of streamed weights; and what the
-CPU lowering emits for a decode matvec's streamed weights (a prefetch per line, each input broadcast used at once)."""
+CPU lowering emits for a decode matvec's streamed weights (a prefetch per line, each input broadcast used at once;
+on a VNNI CPU, compiled from any x86 host, each product in one instruction and no spills)."""
 import re
 
 import llvmlite.binding as llvm

@@ -23,9 +23,7 @@ def assembly(k, cpu=None):
     if cpu is None:
         tm, width, isa = runtime.target_machine(), runtime.simd_width(), runtime.isa()
     else:
-        llvm.initialize_native_target()
-        llvm.initialize_native_asmprinter()
-        tm = llvm.Target.from_triple(triple).create_target_machine(cpu=cpu, features="", opt=3)
+        tm = runtime.target_machine(cpu)
         width = 16 if "avx512f" in TARGETS[cpu] else 8
         isa = frozenset(f for f in runtime.ISA if f in TARGETS[cpu])
     mod = llvm.parse_assembly(str(lower.program_module(

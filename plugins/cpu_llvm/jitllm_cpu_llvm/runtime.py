@@ -39,12 +39,14 @@ def host():
     return llvm.get_process_triple(), llvm.get_host_cpu_name(), feats.flatten(), dict(feats)
 
 
-def target_machine():
-    """A fresh host target machine: the pass builder and each MCJIT engine take ownership of theirs."""
+def target_machine(cpu=None):
+    """A fresh target machine for this CPU, or for the CPU LLVM names cpu (its own features): the pass builder and
+    each MCJIT engine take ownership of theirs."""
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
-    triple, cpu, features, _ = host()
-    return llvm.Target.from_triple(triple).create_target_machine(cpu=cpu, features=features, opt=3)
+    triple, host_cpu, host_features, _ = host()
+    name, features = (cpu, "") if cpu else (host_cpu, host_features)
+    return llvm.Target.from_triple(triple).create_target_machine(cpu=name, features=features, opt=3)
 
 
 def optimize(mod, tm=None):
