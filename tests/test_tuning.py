@@ -24,10 +24,8 @@ def matvec():
 def module_text(k, prefetch, width=None, isa=None):
     """The LLVM IR of a program of kernel k alone, lowered with these prefetch distances (for this CPU's vector
     width and instructions unless given)."""
-    return str(lower.program_module([(k.key(), list(range(len(k.buffers))), [0, 1], True)], [k],
-                                    width or runtime.simd_width(), llvm.get_process_triple(),
-                                    runtime.isa() if isa is None else frozenset(isa),
-                                    options={k.key(): {"prefetch": prefetch}}))
+    return assembly.module(k, width or runtime.simd_width(), runtime.isa() if isa is None else frozenset(isa),
+                           {"prefetch": prefetch})
 
 
 @pytest.fixture

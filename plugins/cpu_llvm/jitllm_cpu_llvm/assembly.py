@@ -7,7 +7,7 @@ import llvmlite.binding as llvm
 
 from . import lower, runtime
 
-# CPUs by LLVM's name, with the features the lowering picks instructions by (runtime.ISA) and AVX-512's width
+# CPUs by LLVM's name, with the features the lowering picks their vector width and instructions by
 TARGETS = {
     "icelake-server": ("avx512f", "avx512bw", "avx512vl", "avx512vnni", "avx2"),
     "sapphirerapids": ("avx512f", "avx512bw", "avx512vl", "avx512vnni", "avxvnni", "avx2"),
@@ -17,17 +17,19 @@ TARGETS = {
 SPILL = re.compile(r"vmov\w+\s+%[yz]mm\d+, -?\d+\(%rsp\)")  # a vector register stored to the stack (an xmm: a scalar)
 
 
+def module(k, width, isa, options=None):
+    """The LLVM IR of a program of kernel k alone, lowered for `width` lanes and instructions `isa` (options: its
+    tuned lowering options, as CpuDevice.tune gives them)."""
+    return str(lower.program_module([(k.key(), list(range(len(k.buffers))), list(range(len(k.scalars))), True)], [k],
+                                    width, llvm.get_process_triple(), isa,
+                                    options={k.key(): options} if options else None))
+
+
 def assembly(k, cpu=None):
     """x86 assembly (AT&T) of a program of kernel k alone, for `cpu` (a TARGETS name; None: this CPU)."""
-    triple = llvm.get_process_triple()
-    if cpu is None:
-        tm, width, isa = runtime.target_machine(), runtime.simd_width(), runtime.isa()
-    else:
-        tm = runtime.target_machine(cpu)
-        width = 16 if "avx512f" in TARGETS[cpu] else 8
-        isa = frozenset(f for f in runtime.ISA if f in TARGETS[cpu])
-    mod = llvm.parse_assembly(str(lower.program_module(
-        [(k.key(), list(range(len(k.buffers))), list(range(len(k.scalars))), True)], [k], width, triple, isa)))
+    feats = None if cpu is None else dict.fromkeys(TARGETS[cpu], True)
+    tm = runtime.target_machine(cpu)
+    mod = llvm.parse_assembly(module(k, runtime.simd_width(feats), runtime.isa(feats)))
     runtime.optimize(mod, tm if cpu else None)
     return tm.emit_assembly(mod)
 

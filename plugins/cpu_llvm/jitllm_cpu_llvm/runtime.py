@@ -63,18 +63,19 @@ def _pass_builder(tm):
     return llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=3))
 
 
-def simd_width():
-    """f32 lanes per vector register of this CPU."""
-    feats = host()[3]
+def simd_width(feats=None):
+    """f32 lanes per vector register of this CPU (or of a CPU with features feats: {name: True})."""
+    feats = host()[3] if feats is None else feats
     return 16 if feats.get("avx512f") else 8 if feats.get("avx2") else 4
 
 
 ISA = ("avx512vnni", "avxvnni", "avx512vl", "avx512bw", "avx2")  # what the lowering of IR dot4 picks from
 
 
-def isa():
-    """The x86 features of this CPU that the lowering chooses instructions by (VNNI's byte dots and the like)."""
-    feats = host()[3]
+def isa(feats=None):
+    """The x86 features of this CPU (or of feats) that the lowering chooses instructions by (VNNI's byte dots and
+    the like)."""
+    feats = host()[3] if feats is None else feats
     return frozenset(f for f in ISA if feats.get(f))
 
 
