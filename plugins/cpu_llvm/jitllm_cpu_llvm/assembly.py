@@ -1,6 +1,7 @@
 """The machine code the CPU lowering makes of a kernel, for this CPU or for a named one the host need not be: how a
 machine without VNNI sees the loops of one with it (compiled, not run). benchmarks/instructions.py counts them;
-the tests check the VNNI loops from any x86 host."""
+the tests check the VNNI loops from any x86 host, and run a named CPU's programs here (`device`), what this CPU
+lacks emulated."""
 import re
 
 import llvmlite.binding as llvm
@@ -15,6 +16,13 @@ TARGETS = {
     "znver3": ("avx2",),
 }
 SPILL = re.compile(r"vmov\w+\s+%[yz]mm\d+, -?\d+\(%rsp\)")  # a vector register stored to the stack (an xmm: a scalar)
+
+
+def device(cpu, threads=1):
+    """A CPU device ("cpu") that makes the programs of `cpu` (a TARGETS name: its vector width and instructions) and
+    runs them on this CPU, what it lacks emulated (emulation.py)."""
+    feats = dict.fromkeys(TARGETS[cpu], True)
+    return runtime.CpuDevice("cpu", threads, runtime.total_memory(), runtime.simd_width(feats), runtime.isa(feats))
 
 
 def module(k, width, isa, options=None):

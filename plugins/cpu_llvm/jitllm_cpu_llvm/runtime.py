@@ -22,7 +22,7 @@ from jitllm_core.cache import cache_dir, digest, write_atomic
 from jitllm_core.errors import BackendError
 from jitllm_core.plugin import Buffer, Caps, Device, Program
 
-from . import lower
+from . import emulation, lower
 
 STEP = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p,
                         ctypes.c_void_p)
@@ -87,6 +87,10 @@ def compile_failed(device_name, e):
 # LLVM works on one thread of its own, one module at a time, each in a context of its own: a program's module is
 # compiled there while the caller goes on lowering the next one (a cold start lowers two: decode and prefill)
 _LLVM = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jitllm-llvm")
+# every Compiled, kept for the process's life whatever becomes of its device: compiled code is never unloaded
+# (Workers), and a device let go of (tests make some for other CPUs) took the process down as its engines and
+# their LLVM contexts were collected
+_LOADED = []
 
 
 class Compiled:
@@ -96,6 +100,7 @@ class Compiled:
 
     def __init__(self, key: str, text_fn, device_name="cpu"):
         self.path, self.device_name = cache_dir("cpu") / f"{key}.o", device_name
+        _LOADED.append(self)
         self.cached = self.path.exists()
         self._step = _LLVM.submit(self._engine, None).result() if self.cached else None  # code from the cache
         if not self._step:  # not cached (or unreadable): lower, then compile
@@ -192,10 +197,10 @@ class CpuProgram(Program):
         kernels = [ln.kernel for ln in launches]
         options = {k.key(): device.tuned[k.tune_tag] for k in kernels if k.tune_tag in device.tuned}
         triple, cpu, features, _ = host()
-        key = digest(LOWERING, slots, stamps, simd_width(), sorted(isa()), triple, cpu, features, llvmlite.__version__,
-                     sorted(options.items()))
-        self.compiled = device.compile(key, lambda: str(lower.program_module(slots, kernels, simd_width(), triple,
-                                                                             isa(), stamps, options)))
+        key = digest(LOWERING, slots, stamps, device.width, sorted(device.instructions), device.emulation, triple, cpu,
+                     features, llvmlite.__version__, sorted(options.items()))
+        self.compiled = device.compile(key, lambda: device.made_runnable(str(lower.program_module(
+            slots, kernels, device.width, triple, device.instructions, stamps, options))))
         self.scalar_slots = sslot
         self.keep = [b for _, b in bslot.values()]
         self.bufs = (ctypes.c_void_p * max(1, len(bslot)))(*[b.addr for _, b in sorted(bslot.values(), key=lambda t: t[0])])
@@ -237,9 +242,18 @@ class CpuDevice(Device):
     tunables = {"prefetch": [lower.PREFETCH, ()]}
     lowering = LOWERING
 
-    def __init__(self, name, threads, memory_bytes):
+    def __init__(self, name, threads, memory_bytes, width=None, instructions=None):
+        """width, instructions: the vector width and instructions (of ISA) of the CPU whose programs the device makes,
+        by default this one's; where this CPU lacks some, they run emulated (emulation.py: the programs of another
+        kind of machine checked here, not timed: such a device tunes nothing)."""
         self.name = name
-        W = simd_width()
+        self.width = W = width or simd_width()
+        self.instructions = isa() if instructions is None else frozenset(instructions)
+        self.foreign = (W, self.instructions) != (simd_width(), isa())
+        # the emulation's code, in its programs' keys
+        self.emulation = digest(Path(emulation.__file__).read_bytes()) if self.foreign else None
+        if self.foreign:
+            self.tunables = {}
         self.caps = Caps(memory_bytes=memory_bytes, bandwidth_Bps=0.0, subgroup_size=W, fp16=True, int8=True,
                          host_visible=True, registers=W * lower.vector_registers(W), extra={"cpu": host()[1]})
         self.used = 0
@@ -258,7 +272,14 @@ class CpuDevice(Device):
             self.caps.memory_bytes = int(memory_bytes)
 
     def describe(self):
-        return f"{self.name}: {self.caps.extra['cpu']}, {self.threads} threads, SIMD {self.caps.subgroup_size} x f32"
+        own = f"{self.name}: {self.caps.extra['cpu']}, {self.threads} threads, SIMD {self.caps.subgroup_size} x f32"
+        if not self.foreign:
+            return own
+        return f"{own} and {', '.join(sorted(self.instructions)) or 'no x86 extension'}, what this CPU lacks emulated"
+
+    def made_runnable(self, text):
+        """A program's module text, with what this CPU lacks of the device's instructions emulated."""
+        return emulation.emulated(text, [f for f, on in host()[3].items() if on]) if self.foreign else text
 
     def alloc(self, nbytes):
         with self._lock:

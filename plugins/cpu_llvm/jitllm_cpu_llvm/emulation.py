@@ -1,0 +1,96 @@
+"""Programs of a CPU with instructions this one lacks, made runnable here: each x86 intrinsic the lowering may call
+for such a CPU, where this one has not the features it needs, becomes a function of plain LLVM IR with the
+instruction's documented semantics (Intel's), which LLVM compiles for any x86 (a 16-lane vector as two or four of
+this CPU's). So the programs an AVX-512 VNNI machine runs -- their lanes, loops, prefetches and dots -- run and are
+checked on an AVX2 one (`assembly.device`), slowly."""
+import re
+
+# intrinsic -> the feature sets that give it (any one of them)
+NEEDS = {
+    "llvm.x86.avx512.vpdpbusd.512": [{"avx512vnni"}],
+    "llvm.x86.avx512.vpdpbusd.256": [{"avx512vnni", "avx512vl"}, {"avxvnni"}],
+    "llvm.x86.avx512.permvar.sf.512": [{"avx512f"}],
+    "llvm.x86.avx512.pmaddubs.w.512": [{"avx512bw"}],
+    "llvm.x86.avx512.pmaddw.d.512": [{"avx512bw"}],
+}
+DECLARE = re.compile(r'^declare (\S+(?: x \w+>)?) @"(llvm\.x86\.[\w.]+)"\((.*)\)$', re.M)
+
+
+def emulated(text, host_features):
+    """Module text with each intrinsic of NEEDS that host_features (names) cannot give defined in plain IR."""
+    has = set(host_features)
+    for ret, name, params in DECLARE.findall(text):
+        if name not in NEEDS or any(need <= has for need in NEEDS[name]):
+            continue
+        types = [p.rsplit(" ", 1)[0] for p in params.split(", ")]
+        own = f'@"emu.{name[len("llvm.x86."):]}"'
+        body = BODIES[name.rsplit(".", 1)[0]](ret, *types)
+        text = text.replace(f'declare {ret} @"{name}"({params})',
+                            f"define internal {ret} {own}({', '.join(f'{t} %a{i}' for i, t in enumerate(types))}) "
+                            f"alwaysinline {{\n{body}\n}}")
+        text = text.replace(f'@"{name}"', own)
+    for n in sorted(set(re.findall(r"@llvm\.sadd\.sat\.v(\d+)i16\(", text))):  # what the bodies call
+        if f"declare <{n} x i16> @llvm.sadd.sat.v{n}i16" not in text:
+            text += f"\ndeclare <{n} x i16> @llvm.sadd.sat.v{n}i16(<{n} x i16>, <{n} x i16>)\n"
+    return text
+
+
+def _lanes(t):
+    """(count, element type) of an IR vector type '<n x ty>'"""
+    n, ty = t.strip("<>").split(" x ")
+    return int(n), ty
+
+
+def _pick(n, start, step):
+    return "<" + ", ".join(f"i32 {start + step * i}" for i in range(n)) + ">"
+
+
+def _vpdpbusd(ret, acc, a, b):
+    """acc + per lane the sum of 4 products: a's bytes unsigned times b's signed (no saturation)"""
+    n, _ = _lanes(ret)
+    w = f"<{4 * n} x i32>"
+    lines = [f"%ua = bitcast {a} %a1 to <{4 * n} x i8>", f"%sb = bitcast {b} %a2 to <{4 * n} x i8>",
+             f"%wa = zext <{4 * n} x i8> %ua to {w}", f"%wb = sext <{4 * n} x i8> %sb to {w}",
+             f"%p = mul {w} %wa, %wb"]
+    lines += [f"%p{j} = shufflevector {w} %p, {w} poison, <{n} x i32> {_pick(n, j, 4)}" for j in range(4)]
+    lines += [f"%s0 = add {ret} %p0, %p1", f"%s1 = add {ret} %p2, %p3", f"%s = add {ret} %s0, %s1",
+              f"%r = add {ret} %a0, %s", f"ret {ret} %r"]
+    return "\n".join(lines)
+
+
+def _pairs(ret, a, b, ext_a, add):
+    """per lane of ret: the sum of a pair of products of a's and b's elements, widened to ret's elements first"""
+    n, ty = _lanes(ret)
+    w = f"<{2 * n} x {ty}>"
+    lines = [f"%wa = {ext_a} {a} %a0 to {w}", f"%wb = sext {b} %a1 to {w}", f"%p = mul {w} %wa, %wb",
+             f"%e = shufflevector {w} %p, {w} poison, <{n} x i32> {_pick(n, 0, 2)}",
+             f"%o = shufflevector {w} %p, {w} poison, <{n} x i32> {_pick(n, 1, 2)}"]
+    lines += [add.format(ret=ret, n=n), f"ret {ret} %r"]
+    return "\n".join(lines)
+
+
+def _pmaddubsw(ret, a, b):
+    """a's bytes unsigned times b's signed, each pair of products added into an i16, saturated"""
+    n, _ = _lanes(ret)
+    return _pairs(ret, a, b, "zext", "%r = call {ret} @llvm.sadd.sat.v{n}i16({ret} %e, {ret} %o)")
+
+
+def _pmaddwd(ret, a, b):
+    """a's and b's i16 multiplied, each pair of products added into an i32 (wrapping)"""
+    return _pairs(ret, a, b, "sext", "%r = add {ret} %e, %o")
+
+
+def _permvar(ret, v, idx):
+    """lane i of the result: lane idx[i] mod n of v"""
+    n, ty = _lanes(ret)
+    lines, prev = [], "poison"
+    for i in range(n):
+        lines += [f"%i{i} = extractelement {idx} %a1, i32 {i}", f"%m{i} = and i32 %i{i}, {n - 1}",
+                  f"%e{i} = extractelement {v} %a0, i32 %m{i}",
+                  f"%r{i} = insertelement {ret} {prev}, {ty} %e{i}, i32 {i}"]
+        prev = f"%r{i}"
+    return "\n".join(lines + [f"ret {ret} {prev}"])
+
+
+BODIES = {"llvm.x86.avx512.vpdpbusd": _vpdpbusd, "llvm.x86.avx512.pmaddubs.w": _pmaddubsw,
+          "llvm.x86.avx512.pmaddw.d": _pmaddwd, "llvm.x86.avx512.permvar.sf": _permvar}

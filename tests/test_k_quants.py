@@ -1,0 +1,62 @@
+"""A model with k-quant matrices (Q4_K and Q6_K, the 1B benchmark model's formats) through the engine against HF
+transformers on the same file (the layouts' kernels alone: test_quant_formats, and as a VNNI machine runs them:
+test_other_cpus)."""
+import numpy as np
+import pytest
+
+import jitllm_core as jl
+from jitllm_core import quantize
+from reference import reference_logits
+from test_model import PROMPTS
+
+gguf = pytest.importorskip("gguf")
+
+
+@pytest.fixture(scope="module")
+def k_quant_model(default_model, tmp_path_factory):
+    """The default model with its FFN down projections (the only matrices whose rows are whole 256-blocks)
+    requantized from the file's values: Q4_K in even layers, Q6_K in odd ones."""
+    out = tmp_path_factory.mktemp("k_quants") / "smollm2-k-quants.gguf"
+    r = gguf.GGUFReader(default_model)
+    arch = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(out), arch)
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        array = f.types[0] == gguf.GGUFValueType.ARRAY
+        w.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[-1] if array else None)
+    for t in r.tensors:
+        data, kind = t.data, t.tensor_type
+        if t.name.endswith("ffn_down.weight"):
+            kind = gguf.GGMLQuantizationType.Q4_K if int(t.name.split(".")[1]) % 2 == 0 else \
+                gguf.GGMLQuantizationType.Q6_K
+            data = quantize.quantize(gguf.quants.dequantize(t.data, t.tensor_type), kind.name)
+        w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def engine(cpu, k_quant_model):
+    eng = jl.Engine(k_quant_model, devices=["cpu"], kv_dtype="f32")
+    yield eng
+    eng.close()
+
+
+def test_model_has_both_k_quants(k_quant_model):
+    kinds = {t.tensor_type.name for t in gguf.GGUFReader(k_quant_model).tensors if "ffn_down" in t.name}
+    assert kinds == {"Q4_K", "Q6_K"}
+
+
+def test_k_quants_match_transformers(engine, k_quant_model):
+    """Token by token (decode steps: the dot4 matvecs of every packed layout, R4K and R6 among them) and a whole
+    prompt at once (the prefill gemms), within the f32 reference's bound."""
+    ids = (engine.tokenizer.encode(PROMPTS[0]) * 3)[:40]
+    want = reference_logits(k_quant_model, ids)
+    with engine.session() as s:
+        got = np.concatenate([s.feed([t]) for t in ids])
+    assert np.abs(got - want).max() <= 1e-3
+    assert np.abs(engine.score(ids) - want).max() <= 1e-3

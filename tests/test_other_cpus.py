@@ -1,0 +1,48 @@
+"""The programs of another kind of CPU -- an AVX-512 VNNI machine's, the kind the CPU targets are measured on --
+made here and run with what this CPU lacks emulated (jitllm_cpu_llvm.assembly.device): every packed layout's
+matmul against gguf's values, and the default model's decode steps and prompt against transformers. Where this
+CPU has AVX-512 VNNI they run natively."""
+import numpy as np
+import pytest
+
+import jitllm_core as jl
+from jitllm_core import quant, registry
+from reference import reference_logits
+from test_model import PROMPTS
+from test_quant_formats import assert_packed_layout_holds_the_values
+
+VNNI = "icelake-server"
+
+
+@pytest.fixture(scope="module")
+def vnni(cpu):
+    from jitllm_cpu_llvm import assembly, runtime
+    if not runtime.host()[0].startswith("x86_64"):
+        pytest.skip(f"an {VNNI}'s programs run on x86-64 hosts only")
+    return assembly.device(VNNI, threads=2)
+
+
+def test_device_makes_that_cpus_programs(vnni):
+    assert vnni.caps.subgroup_size == 16 and "avx512vnni" in vnni.instructions
+
+
+@pytest.mark.parametrize("name", sorted(quant.REPACK))
+def test_packed_layouts_hold_the_values(vnni, name):
+    assert_packed_layout_holds_the_values(vnni, name)
+
+
+def test_default_model_matches_transformers(vnni, default_model):
+    """Token by token (the decode step's dot4 matvecs in vpdpbusd) and a prompt at once (the prefill step), within
+    the f32 reference's bound."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(registry, "device", lambda name: vnni)
+        eng = jl.Engine(default_model, devices=["cpu"], kv_dtype="f32")
+    try:
+        ids = (eng.tokenizer.encode(PROMPTS[0]) * 3)[:40]
+        want = reference_logits(default_model, ids)
+        with eng.session() as s:
+            got = np.concatenate([s.feed([t]) for t in ids])
+        assert np.abs(got - want).max() <= 1e-3
+        assert np.abs(eng.score(ids) - want).max() <= 1e-3
+    finally:
+        eng.close()
