@@ -7,6 +7,7 @@ import pytest
 
 import jitllm_core as jl
 from jitllm_core import quant, registry
+from jitllm_core.errors import BackendError
 from reference import reference_logits
 from test_model import PROMPTS
 from test_quant_formats import assert_packed_layout_holds_the_values
@@ -26,6 +27,14 @@ def test_device_makes_that_cpus_programs(vnni):
     assert vnni.caps.subgroup_size == 16 and "avx512vnni" in vnni.instructions
 
 
+def test_an_instruction_without_emulation_is_named():
+    """Not an abort inside LLVM (what compiling it for this CPU would be)."""
+    from jitllm_cpu_llvm import emulation
+    text = 'declare <16 x float> @"llvm.x86.avx512.rcp14.ps.512"(<16 x float> %".1", <16 x float> %".2", i16 %".3")'
+    with pytest.raises(BackendError, match="llvm.x86.avx512.rcp14.ps.512"):
+        emulation.emulated(text, ["avx2"])
+
+
 @pytest.mark.parametrize("name", sorted(quant.REPACK))
 def test_packed_layouts_hold_the_values(vnni, name):
     assert_packed_layout_holds_the_values(vnni, name)
@@ -38,6 +47,7 @@ def test_default_model_matches_transformers(vnni, default_model):
         mp.setattr(registry, "device", lambda name: vnni)
         eng = jl.Engine(default_model, devices=["cpu"], kv_dtype="f32")
     try:
+        assert list(eng.devices.values()) == [vnni]
         ids = (eng.tokenizer.encode(PROMPTS[0]) * 3)[:40]
         want = reference_logits(default_model, ids)
         with eng.session() as s:

@@ -5,6 +5,8 @@ this CPU's). So the programs an AVX-512 VNNI machine runs -- their lanes, loops,
 checked on an AVX2 one (`assembly.device`), slowly."""
 import re
 
+from jitllm_core.errors import BackendError
+
 # intrinsic -> the feature sets that give it (any one of them)
 NEEDS = {
     "llvm.x86.avx512.vpdpbusd.512": [{"avx512vnni"}],
@@ -20,6 +22,8 @@ def emulated(text, host_features):
     """Module text with each intrinsic of NEEDS that host_features (names) cannot give defined in plain IR."""
     has = set(host_features)
     for ret, name, params in DECLARE.findall(text):
+        if name not in NEEDS and name.startswith("llvm.x86.avx512.") and "avx512f" not in has:
+            raise BackendError(f"cpu: no emulation of {name} for this CPU (without AVX-512): add it to emulation.py")
         if name not in NEEDS or any(need <= has for need in NEEDS[name]):
             continue
         types = [p.rsplit(" ", 1)[0] for p in params.split(", ")]
