@@ -22,6 +22,15 @@ def reference_logits(path, ids):
         return transformers_model(path)(torch.tensor([ids])).logits[0].numpy()
 
 
+def step_and_prompt_errors(eng, path, ids):
+    """Largest differences from transformers' logits of eng's, fed ids token by token (decode steps) and all at
+    once (a prompt)."""
+    want = reference_logits(path, ids)
+    with eng.session() as s:
+        steps = np.concatenate([s.feed([t]) for t in ids])
+    return np.abs(steps - want).max(), np.abs(eng.score(ids) - want).max()
+
+
 def agreeing_prefix(ref_logits, got_tokens, start, margin=0.05):
     """Number of greedy tokens that must match: up to the first position whose reference top-2 margin is small."""
     for i, tok in enumerate(got_tokens):

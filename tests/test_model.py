@@ -7,7 +7,7 @@ from conftest import backend_device
 from jitllm_core import llama
 from jitllm_core.llama import WIDE_THREADS
 from jitllm_core.profile import profile_decode
-from reference import agreeing_prefix, reference_logits
+from reference import agreeing_prefix, reference_logits, step_and_prompt_errors
 
 PROMPTS = [
     "The history of the printing press begins in China, where woodblock printing was used for centuries before "
@@ -38,10 +38,8 @@ def test_decode_steps_match_transformers(engines, default_model):
     """Token by token (decode steps: the matmuls read the input quantized to integer digits, not the prefill's
     f32 gemm), within the same bound as the f32 reference."""
     eng = engines["f32"]
-    ids = (eng.tokenizer.encode(PROMPTS[0]) * 3)[:40]
-    with eng.session() as s:
-        got = np.concatenate([s.feed([t]) for t in ids])
-    assert np.abs(got - reference_logits(default_model, ids)).max() <= 1e-3
+    steps, _ = step_and_prompt_errors(eng, default_model, (eng.tokenizer.encode(PROMPTS[0]) * 3)[:40])
+    assert steps <= 1e-3
 
 
 def test_prefill_in_column_chunks_matches_transformers(cpu, default_model, monkeypatch):
