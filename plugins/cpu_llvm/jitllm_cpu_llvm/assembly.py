@@ -18,10 +18,15 @@ TARGETS = {
 SPILL = re.compile(r"vmov\w+\s+%[yz]mm\d+, -?\d+\(%rsp\)")  # a vector register stored to the stack (an xmm: a scalar)
 
 
+def features(cpu):
+    """The features a TARGETS CPU's programs are lowered by, as runtime.simd_width and runtime.isa take them."""
+    return dict.fromkeys(TARGETS[cpu], True)
+
+
 def device(cpu, threads=1):
     """A CPU device ("cpu") that makes the programs of `cpu` (a TARGETS name: its vector width and instructions) and
     runs them on this CPU, what it lacks emulated (emulation.py)."""
-    feats = dict.fromkeys(TARGETS[cpu], True)
+    feats = features(cpu)
     return runtime.CpuDevice("cpu", threads, runtime.total_memory(), runtime.simd_width(feats), runtime.isa(feats))
 
 
@@ -35,7 +40,7 @@ def module(k, width, isa, options=None):
 
 def assembly(k, cpu=None):
     """x86 assembly (AT&T) of a program of kernel k alone, for `cpu` (a TARGETS name; None: this CPU)."""
-    feats = None if cpu is None else dict.fromkeys(TARGETS[cpu], True)
+    feats = None if cpu is None else features(cpu)
     tm = runtime.target_machine(cpu)
     mod = llvm.parse_assembly(module(k, runtime.simd_width(feats), runtime.isa(feats)))
     runtime.optimize(mod, tm if cpu else None)
