@@ -42,7 +42,11 @@ LANE_BLOCK = 256  # iterations of a reduce across lanes summed before joining it
 # turn over fast (one thread's decode, measured: 9.2 -> 10.0 GB/s for Q4_K, 8.8 -> 9.5 for Q6_K; two: unchanged)
 PREFETCH = ((4096, 3), (16384, 1))  # (distance, LLVM locality: 3 all levels, 1 L2 and beyond); the device's
 # default, which it tunes per kernel tag (CpuDevice.tunables): some CPUs stream faster without
-PREFETCH_MIN = 256 << 10  # "large": more than stays in L2
+# "large": a matrix streamed from DRAM in a decode step, however small (a step reads the whole model, which does
+# not stay in the caches): SmolLM2's 69-207 KB projections too, whose threads' short streams the hardware's
+# prefetcher barely starts on (two threads' decode +6 %, one thread's unchanged: docs/benchmarks.md); not an
+# input's few KB of digits, rewritten every step
+PREFETCH_MIN = 32 << 10
 STEP_PART = 64  # launches per function of a program's step
 CLAIMS = 4  # chunks per thread of a parallel loop's claimed half
 CLAIM_STRIDE = 16  # i32s between two parallel loops' claim counters (a cache line each)
