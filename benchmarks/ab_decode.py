@@ -6,17 +6,21 @@ the CPU compiles them under keys of their own, as the IR differs):
     python benchmarks/ab_decode.py -m MODEL --threads 2 --set quant.R6.pieces 2 4 [--rounds 7]
 
 A device's tuned lowering options too: `--set tuning.FORCED '{"prefetch": 0}' '{"prefetch": 1}'` gives every
-kernel tag candidate 0, then 1, of the CPU's `prefetch` (CpuDevice.tunables).
+kernel tag candidate 0, then 1, of the CPU's `prefetch` (CpuDevice.tunables). And the CPU backend's lowering
+constants (a module of jitllm_cpu_llvm: `--set lower.PREFETCH_MIN 262144 32768`), whose value then joins the
+keys of the programs compiled with it.
 """
 import argparse
 import ast
 import functools
 import importlib
+import importlib.util
 
 import numpy as np
 
 import jitllm_core as jl
 from jitllm_core import bench, ops
+from jitllm_core.cache import digest
 
 
 def main():
@@ -24,15 +28,22 @@ def main():
     ap.add_argument("-m", "--model")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--set", nargs="+", required=True, metavar=("MODULE.ATTR", "VALUE"),
-                    help="an attribute under jitllm_core (module.name or module.Class.name) and its values")
+                    help="an attribute under jitllm_core or jitllm_cpu_llvm (module.name or module.Class.name) and its values")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--decode-tokens", type=int, default=24)
     args = ap.parse_args()
     path, values = args.set[0].split("."), [ast.literal_eval(v) for v in args.set[1:]]
-    owner = functools.reduce(getattr, path[1:-1], importlib.import_module(f"jitllm_core.{path[0]}"))
+    backend = importlib.util.find_spec(f"jitllm_core.{path[0]}") is None  # a module of the CPU backend
+    owner = functools.reduce(getattr, path[1:-1], importlib.import_module(
+        f"{'jitllm_cpu_llvm' if backend else 'jitllm_core'}.{path[0]}"))
+    if backend:
+        from jitllm_cpu_llvm import runtime
+        lowering = runtime.LOWERING
     engines = []  # (value, engine): a value may be unhashable (a dict)
     for v in values:
         setattr(owner, path[-1], v)
+        if backend:  # the program keys digest the lowering's source, not the constants set here
+            runtime.LOWERING = digest(lowering, args.set[0], repr(v))
         for f in vars(ops).values():
             if hasattr(f, "cache_clear"):
                 f.cache_clear()
