@@ -106,8 +106,8 @@ def test_prefetch_once_per_line_of_streamed_weights(width, isa):
 
 
 def test_small_matrices_stream_prefetched_their_inputs_do_not():
-    """A decode step reads every matrix from DRAM, the default model's 69 KB key projection (192 x 576) too: its
-    weights are prefetched like a large matrix's; the input's digits (5 KB, written every step) are not."""
+    """A decode step reads every matrix from DRAM, the default model's 69 KB key projection (192 x 576) too: each
+    line of its weights is prefetched as a large matrix's are, and nothing else (the input's 1.7 KB of digits)."""
     k = ops.matmul(quant.PACKED["R4"], 192, 576, 1)
     lines = quant.PACKED["R4"].unit * quant.ROWS // 64  # of a block of 16 rows
     assert module_text(k, lower.PREFETCH).count("call void @\"llvm.prefetch.p0\"") == lines * len(lower.PREFETCH)

@@ -44,8 +44,7 @@ PREFETCH = ((4096, 3), (16384, 1))  # (distance, LLVM locality: 3 all levels, 1 
 # default, which it tunes per kernel tag (CpuDevice.tunables): some CPUs stream faster without
 # "large": a matrix streamed from DRAM in a decode step, however small (a step reads the whole model, which does
 # not stay in the caches): SmolLM2's 69-207 KB projections too, whose threads' short streams the hardware's
-# prefetcher barely starts on (two threads' decode +2-6 %, one thread's unchanged: docs/benchmarks.md); not an
-# input's few KB of digits, rewritten every step
+# prefetcher barely starts on (two threads' decode +2-6 %, one thread's unchanged: docs/benchmarks.md)
 PREFETCH_MIN = 32 << 10
 STEP_PART = 64  # launches per function of a program's step
 CLAIMS = 4  # chunks per thread of a parallel loop's claimed half
