@@ -94,23 +94,18 @@ def test_prefetch_options_change_the_code_not_the_results(cpu):
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("rows, cols", [(ROWS, COLS), (192, 576)], ids=["553KB", "69KB"])
 @pytest.mark.parametrize("width, isa", [(8, {"avx2"}), (16, {"avx512bw", "avx2"})])
-def test_prefetch_once_per_line_of_streamed_weights(width, isa):
+def test_prefetch_once_per_line_of_streamed_weights(width, isa, rows, cols):
     """An R4 block of 16 rows is 5 lines (the scales' words, then 4 words of nibbles, 64 bytes each): its
     iteration prefetches each once, whether the 16 rows take one vector of lanes or two (AVX2: each reads half
-    of every line) and though its words are read in an unrolled loop."""
-    k, distances = matvec(), ((4096, 3), (16384, 1))
+    of every line) and though its words are read in an unrolled loop, and nothing else (not the input's digits).
+    A small matrix too: a decode step reads every matrix from DRAM, the default model's 69 KB key projection
+    (192 x 576) as well."""
+    k, distances = ops.matmul(quant.PACKED["R4"], rows, cols, 4), ((4096, 3), (16384, 1))
     text = module_text(k, distances, width, isa)
     lines = quant.PACKED["R4"].unit * quant.ROWS // 64
     assert text.count("call void @\"llvm.prefetch.p0\"") == lines * len(distances)
-
-
-def test_small_matrices_stream_prefetched_their_inputs_do_not():
-    """A decode step reads every matrix from DRAM, the default model's 69 KB key projection (192 x 576) too: each
-    line of its weights is prefetched as a large matrix's are, and nothing else (the input's 1.7 KB of digits)."""
-    k = ops.matmul(quant.PACKED["R4"], 192, 576, 1)
-    lines = quant.PACKED["R4"].unit * quant.ROWS // 64  # of a block of 16 rows
-    assert module_text(k, lower.PREFETCH).count("call void @\"llvm.prefetch.p0\"") == lines * len(lower.PREFETCH)
 
 
 def broadcast_use_spans(text):
