@@ -17,8 +17,8 @@ assembly = pytest.importorskip("jitllm_cpu_llvm.assembly", reason="the CPU backe
 ROWS, COLS = 576, 1536  # a 553 KB R4 matrix: large enough to be prefetched (lower.PREFETCH_MIN)
 
 
-def matvec():
-    return ops.matmul(quant.PACKED["R4"], ROWS, COLS, 4)
+def matvec(rows=ROWS, cols=COLS):
+    return ops.matmul(quant.PACKED["R4"], rows, cols, 4)
 
 
 def module_text(k, prefetch, width=None, isa=None):
@@ -102,7 +102,7 @@ def test_prefetch_once_per_line_of_streamed_weights(width, isa, rows, cols):
     of every line) and though its words are read in an unrolled loop, and nothing else (not the input's digits).
     A small matrix too: a decode step reads every matrix from DRAM, the default model's 69 KB key projection
     (192 x 576) as well."""
-    k, distances = ops.matmul(quant.PACKED["R4"], rows, cols, 4), ((4096, 3), (16384, 1))
+    k, distances = matvec(rows, cols), ((4096, 3), (16384, 1))
     text = module_text(k, distances, width, isa)
     lines = quant.PACKED["R4"].unit * quant.ROWS // 64
     assert text.count("call void @\"llvm.prefetch.p0\"") == lines * len(distances)
