@@ -197,10 +197,14 @@ def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, 
     k.buffer("y", "f32", T * rows, True), k.buffer("wdq", "f32", prefill_scratch(fmt, rows, width), True)
     n, t0 = k.scalar("n_tokens"), k.scalar("t0")
     col0 = k.scalar("col0") if chunk_cols else 0
-    # tiles of N tokens from the first wanted, then one of `tail` (T % N) tokens where the step reaches it: a full
-    # step runs no token twice, and no tile reads past the step's last token
+    # tiles of N tokens from the first wanted; the rest of the step in tiles of N and N - 1 where it is long enough
+    # (any count from (N - 1)(N - 2) up is such a sum: a 64-token step 9 tiles of 6 and 2 of 5, a 37-token one 2
+    # and 5, no token run that the step does not hold), else one tile of `tail` (T % N) tokens where the step
+    # reaches it: no token runs twice, and no tile reads past the step's last token
     tail, first = T % N, t0 // N
-    full = (n - tail + N - 1) // N  # where the tiles of N end
+    m, least = n - first * N, (N - 1) * (N - 2)
+    short = ir.select(m >= least, (N - m % N) % N, 0) if N > 2 and T >= least else 0  # tiles of N - 1
+    full = ir.select(short > 0, first + (m - short * (N - 1)) // N, (n - tail + N - 1) // N)  # where tiles of N end
     with k.parallel("s", slices) as s:
         scratch = k.let("scratch", s * (tile_rows * blk))
         rt0 = k.let("rt0", s * (rows // tile_rows) // slices)
@@ -234,8 +238,11 @@ def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, 
                                     k.store("y", tok * rows + r, v)
                 with k.loop("tt", ir.vmax(full, first) - first, "serial", start=first) as tt:
                     tile(tt * N, N)
+                if not isinstance(short, int):
+                    with k.loop("ts", short, "serial") as ts:
+                        tile(full * N + ts * (N - 1), N - 1)
                 if tail:
-                    with k.if_(full * N < n):
+                    with k.if_(full * N + short * (N - 1) < n):
                         tile(full * N, tail)
                 k.barrier()  # before the next block overwrites the scratch
     return k.finish()

@@ -120,6 +120,9 @@ def op_examples():
         # test_cpu_prefill_matmul_matches_gguf covers long rows, several slices and the interleaved layouts)
         "prefill_matmul": (ops.prefill_matmul(quant.FORMATS["Q4_1"], 16, 32, 16, accumulate=True, bias=True),
                            {"n_tokens": 13, "t0": 1}),
+        # a step long enough for tiles of 6 and 5 tokens (22 from t0's tile: 2 x 6 + 2 x 5), in a kernel whose
+        # T % 6 tail tile is also of 5 tokens
+        "prefill_matmul_long_step": (ops.prefill_matmul(quant.FORMATS["Q4_1"], 16, 32, 23), {"n_tokens": 22, "t0": 1}),
         # a tile of two row groups, a step of 3 tokens in one tile
         "prefill_matmul_small_step": (ops.prefill_matmul(quant.FORMATS["Q8_0"], 32, 32, T), {"n_tokens": 3, "t0": 0}),
         # a chunk of columns [col0, col0 + chunk_cols): its sum added into y
