@@ -133,7 +133,8 @@ def quantize_input(cols: int, T: int, digits: int = DIGITS) -> ir.Kernel:
 
 
 # The prefill matmul's register tile: 4 x 6 accumulators take 10 loads per 24 multiply-adds (2 x 8: 10 per 16, where
-# the loads, not the multiply-adds, set the pace); a 64-token step is then 10 tiles of 6 tokens and one of 4
+# the loads, not the multiply-adds, set the pace); a step of 20 tokens or more runs tiles of 6 and 5 (a 64-token one
+# 9 of 6 and 2 of 5)
 GEMM_GROUPS = 4         # groups of ROWS rows (a vector of lanes each) in the prefill matmul's register tile
 GEMM_TOKENS = 6         # tokens of its tile: a weight vector feeds 6 accumulators, a token's value 4
 GEMM_BLOCK = 256        # columns of W dequantized at a time (4 x 16 rows x 256 columns of f32: 64 KB, from L2)

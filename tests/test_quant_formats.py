@@ -159,9 +159,9 @@ def test_unsupported_format_is_named():
 def test_cpu_prefill_matmul_matches_gguf(cpu, name, packed):
     """The prefill matmul (blocks of columns dequantized into scratch, multiplied by every token) against gguf's
     dequantized weights times the input in numpy: each layout a CPU holds, three slices of rows (a tile of 64
-    each), more than one block of columns, bias, accumulate, a partial step, a whole one (its last T % 6 tokens a
-    tile of their own), and a chunk of columns; with the IR's default tile and with the one this CPU gets
-    (`ops.tile_groups` of its registers)."""
+    each), more than one block of columns, bias, accumulate, a partial step and a whole one (tiles of 6 and 5
+    tokens), a short step (its last tokens in a tile of T % 6), and a chunk of columns; with the IR's default tile
+    and with the one this CPU gets (`ops.tile_groups` of its registers)."""
     rows, cols, T = 192, 1024, 64
     rng = np.random.default_rng(13)
     w, ref = random_tensor(name, rows, cols, rng)
@@ -173,7 +173,7 @@ def test_cpu_prefill_matmul_matches_gguf(cpu, name, packed):
     b, y0 = rng.standard_normal(rows).astype(np.float32), rng.standard_normal((T, rows)).astype(np.float32)
     tiles = sorted({ops.GEMM_GROUPS, ops.tile_groups(cpu.caps.registers)})
     for groups, (chunk_cols, col0, n, t0) in [(g, c) for g in tiles for c in ((0, 0, 45, 3), (512, 512, 45, 3),
-                                                                              (0, 0, T, 0))]:
+                                                                              (0, 0, T, 0), (0, 0, 15, 2))]:
         k = ops.prefill_matmul(fmt, rows, cols, T, accumulate=True, bias=True, chunk_cols=chunk_cols, groups=groups)
         y = run_on_device(cpu, k, {"w": w, "x": x.reshape(-1), "b": b, "y": y0.reshape(-1).copy(),
                                    "wdq": np.zeros(k.buffers["wdq"].size, np.float32)},
