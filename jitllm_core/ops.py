@@ -317,8 +317,10 @@ def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages:
               kv_dtype: str, wide=False) -> ir.Kernel:
     """Causal attention of each new token over the layer's paged KV cache (K pages transposed, `_k_index`):
     scores for every position into a scratch row, softmax over the row (vectorizable), then the weighted sum of
-    values. Page by page (a page's positions a vector of lanes), or, wide (a device of many threads, whose lanes
-    of a head outnumber a page's positions), every position at once and each value dimension over all of them."""
+    values. Page by page (a page's positions a vector of lanes), the heads that share a KV head in one parallel
+    iteration, each key and value vector read (and widened from f16) once for all of them; or, wide (a device of
+    many threads, whose lanes of a head outnumber a page's positions), a head an iteration, every position at
+    once and each value dimension over all of them."""
     k = ir.Kernel(f"attn_{n_head}_{n_kv}x{head_dim}_T{T}_p{page}x{n_pages}_{kv_dtype}{'_wide' if wide else ''}")
     qw, kw, ctx = n_head * head_dim, n_kv * head_dim, max_pages * page
     k.buffer("q", "f32", T * qw), k.buffer("ptab", "i32", max_pages)
@@ -327,58 +329,76 @@ def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages:
     pos, n = k.scalar("pos"), k.scalar("n_tokens")
     scale = 1.0 / math.sqrt(head_dim)
     group = n_head // n_kv
-    with k.parallel("th", n * n_head) as th:
-        t, h = th // n_head, th % n_head
-        qo, so, keys = t * qw + h * head_dim, th * ctx, pos + t + 1
-        # scores, a lane per position: each dimension's keys one vector, its q a broadcast; the dot in `parts`
-        # sums of a slice of the dimensions each, so that as many multiply-add chains run at once
-        parts = 4 if head_dim % 4 == 0 else 1
-        span = head_dim // parts
-
-        def score(pg, slot):
-            dots = [k.let(f"qk{i}", ir.reduce("add", "d", span, lambda d, i=i: k.load("q", qo + i * span + d)
-                                              * k.load("kc", _k_index(pg, slot, h // group, i * span + d, n_kv,
-                                                                      head_dim, page))))
-                    for i in range(parts)]
-            return sum(dots[1:], dots[0]) * scale
-        if wide:
+    if wide:
+        with k.parallel("th", n * n_head) as th:
+            t, h = th // n_head, th % n_head
+            qo, so, keys = t * qw + h * head_dim, th * ctx, pos + t + 1
             with k.loop("j", keys, "vector") as j:
-                k.store("s", so + j, score(k.let("pg", k.load("ptab", j // page)), j % page))
-        else:
-            with k.loop("p", (keys + page - 1) // page) as p:
-                pg = k.let("pg", k.load("ptab", p))
-                with k.loop("slot", page, "vector") as slot:
-                    sc = score(pg, slot)
-                    with k.if_(p * page + slot < keys):
-                        k.store("s", so + p * page + slot, sc)
-        k.barrier()
-        m = k.let("m", ir.reduce("max", "j", keys, lambda j: k.load("s", so + j), "reduce"))
-        k.barrier()
-        with k.loop("j", keys, "vector") as j:
-            k.store("s", so + j, exp(k.load("s", so + j) - m))
-        k.barrier()
-        inv = k.let("inv", 1.0 / ir.reduce("add", "j", keys, lambda j: k.load("s", so + j), "reduce"))
-        if wide:   # a lane per dimension, over every position
+                k.store("s", so + j, _score(k, qo, _k_index(k.load("ptab", j // page), j % page, h // group, 0,
+                                                            n_kv, head_dim, page), page, head_dim, scale))
+            inv = _softmax(k, so, keys, keys)
             with k.loop("d", head_dim, "vector") as d:
                 k.store("out", qo + d, ir.reduce("add", "j", keys, lambda j: k.load("s", so + j) * k.load(
                     "vc", _v_index(k.load("ptab", j // page), j % page, h // group, n_kv, head_dim, page) + d))
                         * inv)
-            return k.finish()
-        with k.loop("d", head_dim, "vector") as d:
-            k.store("out", qo + d, 0.0)
-        # values page by page, a lane per dimension: a page's weighted sum in registers, added to out once
-        with k.loop("p", (keys + page - 1) // page) as p:
+        return k.finish()
+    with k.parallel("tk", n * n_kv) as tk:
+        t, kvh = tk // n_kv, tk % n_kv
+        keys, pages = pos + t + 1, (pos + t + page) // page
+        heads = [(t * qw + (kvh * group + i) * head_dim, (t * n_head + kvh * group + i) * ctx)  # q and s of each
+                 for i in range(group)]
+        # scores, a lane per position: each dimension's keys one vector, each head's q a broadcast; positions past
+        # the last key too (the softmax selects them out)
+        with k.loop("p", pages) as p:
+            pg = k.let("pg", k.load("ptab", p))
+            with k.loop("slot", page, "vector") as slot:
+                key = _k_index(pg, slot, kvh, 0, n_kv, head_dim, page)
+                scores = [k.let(f"sc{i}", _score(k, qo, key, page, head_dim, scale, max(1, 4 // group), f"{i}_"))
+                          for i, (qo, so) in enumerate(heads)]
+                for (qo, so), sc in zip(heads, scores):
+                    k.store("s", so + p * page + slot, sc)
+        invs = [_softmax(k, so, keys, pages * page, f"{i}") for i, (qo, so) in enumerate(heads)]
+        for qo, so in heads:
+            with k.loop("d", head_dim, "vector") as d:
+                k.store("out", qo + d, 0.0)
+        # values page by page, a lane per dimension: a page's weighted sums in registers, added to out once
+        with k.loop("p", pages) as p:
             pg = k.let("pg", k.load("ptab", p))
             with k.loop("d", head_dim, "vector") as d:
                 # positions past the last key hold whatever the pool held (NaN times zero is NaN): selected out
-                pv = k.let("pv", ir.reduce("add", "slot", page, lambda slot: ir.select(
-                    p * page + slot < keys,
-                    k.load("s", so + p * page + slot) * k.load("vc", _v_index(pg, slot, h // group, n_kv, head_dim,
-                                                                                page) + d), 0.0)))
-                k.store("out", qo + d, k.load("out", qo + d) + pv)
-        with k.loop("d", head_dim, "vector") as d:
-            k.store("out", qo + d, k.load("out", qo + d) * inv)
+                v = lambda slot: ir.select(p * page + slot < keys, k.load(
+                    "vc", _v_index(pg, slot, kvh, n_kv, head_dim, page) + d), 0.0)
+                sums = [k.let(f"pv{i}", ir.reduce("add", "slot", page, lambda slot, so=so: k.load(
+                    "s", so + p * page + slot) * v(slot))) for i, (qo, so) in enumerate(heads)]
+                for (qo, so), pv in zip(heads, sums):
+                    k.store("out", qo + d, k.load("out", qo + d) + pv)
+        for (qo, so), inv in zip(heads, invs):
+            with k.loop("d", head_dim, "vector") as d:
+                k.store("out", qo + d, k.load("out", qo + d) * inv)
     return k.finish()
+
+
+def _score(k, qo, key, stride, head_dim, scale, parts=4, name=""):
+    """q . key * scale for the head whose q starts at qo, the key's dimension d at key + d * stride: in `parts` sums
+    of a slice of the dimensions each, so that as many multiply-add chains run at once."""
+    parts = parts if head_dim % parts == 0 else 1
+    span = head_dim // parts
+    dots = [k.let(f"qk{name}{i}", ir.reduce("add", "d", span, lambda d, i=i: k.load("q", qo + i * span + d)
+                                      * k.load("kc", key + (i * span + d) * stride))) for i in range(parts)]
+    return sum(dots[1:], dots[0]) * scale
+
+
+def _softmax(k, so, keys, end, name=""):
+    """Scores [so, so + keys) -> their exponentials less the largest (zeros on to `end`, where a weighted sum over
+    whole pages reads them); returns 1 / their sum."""
+    k.barrier()
+    m = k.let(f"m{name}", ir.reduce("max", "j", keys, lambda j: k.load("s", so + j), "reduce"))
+    k.barrier()
+    with k.loop("j", end, "vector") as j:
+        e = exp(k.load("s", so + j) - m)
+        k.store("s", so + j, e if end is keys else ir.select(j < keys, e, 0.0))
+    k.barrier()
+    return k.let(f"inv{name}", 1.0 / ir.reduce("add", "j", keys, lambda j: k.load("s", so + j), "reduce"))
 
 
 @functools.cache

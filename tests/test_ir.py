@@ -166,9 +166,10 @@ def test_prefill_matmul_refuses_rows_that_are_not_whole_groups():
 
 
 def test_wide_attention_is_the_same_op():
-    """The form for devices of many threads (every position at once) computes what the paged form does."""
+    """The form for devices of many threads (every position at once, a head an iteration) computes what the paged
+    form (the 3 heads that share a KV head an iteration) does."""
     page, n_pages, scalars = 4, 6, {"pos": 9, "n_tokens": 3}
-    paged, wide = (ops.attention(4, 2, 8, 3, page, n_pages, n_pages, "f32", wide=w) for w in (False, True))
+    paged, wide = (ops.attention(6, 2, 8, 3, page, n_pages, n_pages, "f32", wide=w) for w in (False, True))
     bufs = op_inputs(paged)
     want = interp.run(paged, {b: v.copy() for b, v in bufs.items()}, scalars)["out"]
     got = interp.run(wide, {b: v.copy() for b, v in bufs.items()}, scalars)["out"]
