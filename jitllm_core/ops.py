@@ -200,8 +200,8 @@ def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, 
     col0 = k.scalar("col0") if chunk_cols else 0
     # tiles of N tokens from the first wanted; the rest of the step in tiles of N and N - 1 where it is long enough
     # (any count from (N - 1)(N - 2) up is such a sum: a 64-token step 9 tiles of 6 and 2 of 5, a 37-token one 2
-    # and 5, no token run that the step does not hold), else one tile of `tail` (T % N) tokens where the step
-    # reaches it: no token runs twice, and no tile reads past the step's last token
+    # of 6 and 5 of 5, no token run that the step does not hold), else one tile of `tail` (T % N) tokens where the
+    # step reaches it: no token runs twice, and no tile reads past the step's last token
     tail, first = T % N, t0 // N
     m, least = n - first * N, (N - 1) * (N - 2)
     short = ir.select(m >= least, (N - m % N) % N, 0) if N > 2 and T >= least else 0  # tiles of N - 1
@@ -336,7 +336,7 @@ def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages:
             with k.loop("j", keys, "vector") as j:
                 k.store("s", so + j, _score(k, qo, _k_index(k.load("ptab", j // page), j % page, h // group, 0,
                                                             n_kv, head_dim, page), page, head_dim, scale))
-            inv = _softmax(k, so, keys, keys)
+            inv = _softmax(k, so, keys)
             with k.loop("d", head_dim, "vector") as d:
                 k.store("out", qo + d, ir.reduce("add", "j", keys, lambda j: k.load("s", so + j) * k.load(
                     "vc", _v_index(k.load("ptab", j // page), j % page, h // group, n_kv, head_dim, page) + d))
@@ -345,8 +345,8 @@ def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages:
     with k.parallel("tk", n * n_kv) as tk:
         t, kvh = tk // n_kv, tk % n_kv
         keys, pages = pos + t + 1, (pos + t + page) // page
-        heads = [(t * qw + (kvh * group + i) * head_dim, (t * n_head + kvh * group + i) * ctx)  # q and s of each
-                 for i in range(group)]
+        # where each head's q and scores start
+        heads = [(t * qw + (kvh * group + i) * head_dim, (t * n_head + kvh * group + i) * ctx) for i in range(group)]
         # scores, a lane per position: each dimension's keys one vector, each head's q a broadcast; positions past
         # the last key too (the softmax selects them out)
         with k.loop("p", pages) as p:
@@ -388,15 +388,15 @@ def _score(k, qo, key, stride, head_dim, scale, parts=4, name=""):
     return sum(dots[1:], dots[0]) * scale
 
 
-def _softmax(k, so, keys, end, name=""):
-    """Scores [so, so + keys) -> their exponentials less the largest (zeros on to `end`, where a weighted sum over
-    whole pages reads them); returns 1 / their sum."""
+def _softmax(k, so, keys, end=None, name=""):
+    """Scores [so, so + keys) -> their exponentials less the largest (and zeros on to `end` where given: a
+    weighted sum over whole pages reads them); returns 1 / their sum."""
     k.barrier()
     m = k.let(f"m{name}", ir.reduce("max", "j", keys, lambda j: k.load("s", so + j), "reduce"))
     k.barrier()
-    with k.loop("j", end, "vector") as j:
+    with k.loop("j", keys if end is None else end, "vector") as j:
         e = exp(k.load("s", so + j) - m)
-        k.store("s", so + j, e if end is keys else ir.select(j < keys, e, 0.0))
+        k.store("s", so + j, e if end is None else ir.select(j < keys, e, 0.0))
     k.barrier()
     return k.let(f"inv{name}", 1.0 / ir.reduce("add", "j", keys, lambda j: k.load("s", so + j), "reduce"))
 
