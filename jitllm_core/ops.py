@@ -203,9 +203,11 @@ def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, 
     # of 6 and 5 of 5, no token run that the step does not hold), else one tile of `tail` (T % N) tokens where the
     # step reaches it: no token runs twice, and no tile reads past the step's last token
     tail, first = T % N, t0 // N
+    full, short = (n - tail + N - 1) // N, 0  # where the tiles of N end; tiles of N - 1 after them
     m, least = n - first * N, (N - 1) * (N - 2)
-    short = ir.select(m >= least, (N - m % N) % N, 0) if N > 2 and T >= least else 0  # tiles of N - 1
-    full = ir.select(short > 0, first + (m - short * (N - 1)) // N, (n - tail + N - 1) // N)  # where tiles of N end
+    if N > 2 and T >= least:
+        short = ir.select(m >= least, (N - m % N) % N, 0)
+        full = ir.select(short > 0, first + (m - short * (N - 1)) // N, full)
     with k.parallel("s", slices) as s:
         scratch = k.let("scratch", s * (tile_rows * blk))
         rt0 = k.let("rt0", s * (rows // tile_rows) // slices)
