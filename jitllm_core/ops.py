@@ -190,6 +190,7 @@ def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, 
     N, tile_rows = min(T, GEMM_TOKENS), G * ROWS
     k = ir.Kernel(f"gemm_{fmt.name}_{rows}x{cols}_T{T}_{tile_rows}x{N}_b{blk}"
                   f"{f'_k{chunk_cols}' if chunk_cols else ''}{'_acc' if accumulate else ''}{'_bias' if bias else ''}")
+    k.tune_as(f"gemm_{fmt.name}_{tile_rows}", n_tokens=T, t0=0)  # a device may tune it (the engine tunes decode's)
     k.buffer("w", fmt.storage, rows * fmt.row_units(cols)), k.buffer("x", "f32", T * cols)
     k.w_read = lambda n_tokens: rows * fmt.row_units(width)
     k.flops = lambda n_tokens: 2 * rows * width * n_tokens

@@ -7,8 +7,9 @@ import llvmlite.binding as llvm
 import numpy as np
 import pytest
 
-from jitllm_core import ops, quant, tuning
+from jitllm_core import ir, ops, quant, tuning
 from backend_check import run_on_device
+from jitllm_core.plugin import Launch
 
 lower = pytest.importorskip("jitllm_cpu_llvm.lower", reason="the CPU backend plugin is not installed")
 runtime = pytest.importorskip("jitllm_cpu_llvm.runtime", reason="the CPU backend plugin is not installed")
@@ -62,7 +63,7 @@ def test_cpu_tuning_picks_a_candidate_per_tag_and_caches_it(cpu, fresh_cache, mo
     for i, candidate in enumerate(cpu.tunables["prefetch"]):  # forced (benchmarks/ab_decode.py): whatever was measured
         monkeypatch.setattr(tuning, "FORCED", {"prefetch": i})
         tuning.tune(cpu, [k])
-        assert cpu.tuned["matvec_R4"] == {"prefetch": candidate}
+        assert cpu.tuned["matvec_R4"] == {**chosen, "prefetch": candidate}
     cpu.tuned.pop("matvec_R4")
 
 
@@ -73,25 +74,69 @@ def test_tuning_without_room_keeps_the_defaults_uncached(fresh_cache):
     assert not list((fresh_cache / "measure").glob("*.json"))
 
 
-def test_prefetch_options_change_the_code_not_the_results(cpu):
-    k = matvec()
+def matvec_inputs():
+    """Random buffers for matvec(): Q4_1 weights with small finite scales, its input as quantize_input writes it."""
     rng = np.random.default_rng(3)
     fmt, raw = quant.get_format("Q4_1", COLS), rng.integers(0, 256, (ROWS * COLS // 32, 20)).astype(np.uint8)
     raw[:, 0:4] = (rng.standard_normal((len(raw), 2)) * 0.01).astype(np.float16).view(np.uint8)
-    data = {"w": quant.repack(fmt, raw.reshape(-1), ROWS), "x": rng.standard_normal(4 * COLS).astype(np.float32),
+    return {"w": quant.repack(fmt, raw.reshape(-1), ROWS), "x": rng.standard_normal(4 * COLS).astype(np.float32),
             "xq": rng.integers(0, 256, 4 * quant.DIGITS * COLS).astype(np.uint8),
             "xd": np.full(4 * COLS // 32, 1e-3, np.float32),
             "xs": rng.standard_normal(4 * COLS // 16).astype(np.float32), "y": np.zeros(4 * ROWS, np.float32)}
+
+
+def outputs_tuned(cpu, k, options):
+    """k's output on the CPU for each of its tag's lowering options (None: not tuned)."""
     outs = []
+    for o in options:
+        if o is not None:
+            cpu.tune(k.tune_tag, o)
+        try:
+            outs.append(run_on_device(cpu, k, matvec_inputs(), {"n_tokens": 4, "t0": 0})["y"])
+        finally:
+            cpu.tuned.pop(k.tune_tag, None)
+    assert np.isfinite(outs[0]).all() and np.abs(outs[0]).max() > 0
+    return outs
+
+
+def test_prefetch_options_change_the_code_not_the_results(cpu):
+    k = matvec()
     for prefetch in cpu.tunables["prefetch"]:
         assert ("llvm.prefetch" in module_text(k, prefetch)) == bool(prefetch)
-        cpu.tune(k.tune_tag, {"prefetch": prefetch})
-        try:
-            outs.append(run_on_device(cpu, k, data, {"n_tokens": 4, "t0": 0})["y"])
-        finally:
-            cpu.tuned.pop(k.tune_tag)
-    assert np.isfinite(outs[0]).all() and np.abs(outs[0]).max() > 0
+    outs = outputs_tuned(cpu, k, [{"prefetch": p} for p in cpu.tunables["prefetch"]])
     np.testing.assert_array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("target", [None, "icelake-server"], ids=["this CPU", "VNNI"])
+def test_machine_scheduler_left_out_only_for_streaming_kernels_without_vnni(cpu, target):
+    """LLVM's machine scheduler orders a program's whole module: a decode program (matvecs tuned for streaming,
+    untagged small kernels) goes without it on a CPU without VNNI, a program that also holds a kernel never tuned
+    (a prefill gemm) or an untuned matvec keeps it, and so does every program on a VNNI CPU; the code differs, the
+    results do not."""
+    dev = cpu if target is None else assembly.device(target)
+    k, gemm, norm = matvec(), ops.prefill_matmul(quant.PACKED["R4"], 64, COLS, 8), ops.rmsnorm(COLS, 4, 1e-5)
+    assert gemm.tune_tag and not norm.tune_tag
+    bufs = {}
+
+    def program(*kernels):  # whether the program of these kernels' launches is compiled with the scheduler
+        launches = [Launch(x, {p: bufs.get((x.key(), p)) or bufs.setdefault(
+            (x.key(), p), dev.alloc(b.size * ir.STORAGE_DTYPES[b.dtype])) for p, b in x.buffers.items()})
+                    for x in kernels]
+        return dev.program(launches).schedule
+    vnni = lower.has_vnni(dev.width, dev.instructions)
+    try:
+        dev.tune(k.tune_tag, {"prefetch": lower.PREFETCH})
+        assert program(k) == program(norm, k) == vnni and program(k, gemm) and program(norm)
+        dev.tuned.pop(k.tune_tag)
+        assert program(k)
+    finally:
+        dev.tuned.pop(k.tune_tag, None)
+        for b in bufs.values():
+            dev.free(b)
+    assert target or vnni or assembly.assembly(k, schedule=False) != assembly.assembly(k)
+    if target is None:  # tuned: without the scheduler (if this CPU lacks VNNI); not tuned: with it
+        outs = outputs_tuned(cpu, k, [{"prefetch": lower.PREFETCH}, None])
+        np.testing.assert_array_equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("rows, cols", [(ROWS, COLS), (192, 576)], ids=["553KB", "69KB"])

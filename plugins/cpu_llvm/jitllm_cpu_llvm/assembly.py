@@ -38,13 +38,18 @@ def module(k, width, isa, options=None):
                                     options={k.key(): options} if options else None))
 
 
-def assembly(k, cpu=None):
-    """x86 assembly (AT&T) of a program of kernel k alone, for `cpu` (a TARGETS name; None: this CPU)."""
+def assembly(k, cpu=None, schedule=True):
+    """x86 assembly (AT&T) of a program of kernel k alone, for `cpu` (a TARGETS name; None: this CPU), with LLVM's
+    machine scheduler or without (generated on LLVM's thread, where the option is set for each module)."""
     feats = None if cpu is None else features(cpu)
-    tm = runtime.target_machine(cpu)
-    mod = llvm.parse_assembly(module(k, runtime.simd_width(feats), runtime.isa(feats)))
-    runtime.optimize(mod, tm if cpu else None)
-    return tm.emit_assembly(mod)
+
+    def emit():
+        tm = runtime.target_machine(cpu)
+        mod = llvm.parse_assembly(module(k, runtime.simd_width(feats), runtime.isa(feats)))
+        runtime.optimize(mod, tm if cpu else None)
+        runtime.machine_scheduler(schedule)
+        return tm.emit_assembly(mod)
+    return runtime._LLVM.submit(emit).result()
 
 
 def loops(asm):

@@ -466,9 +466,7 @@ class KernelLowering:
         return v if acc is None else b.add(acc, v)
 
     def vnni(self, n):
-        """Whether the CPU has VNNI's byte dot for vectors of n i32."""
-        return n == 16 and "avx512vnni" in self.isa or n == 8 and ("avxvnni" in self.isa or
-                                                                    {"avx512vnni", "avx512vl"} <= self.isa)
+        return has_vnni(n, self.isa)
 
     def _madd(self, n):
         """(pmaddubsw, pmaddwd) for vectors of n i32 where the CPU has them, else None"""
@@ -1328,6 +1326,11 @@ def _children(e):
 def claim_counters(kernel) -> int:
     """Claim counters a launch of kernel uses: one per top-level parallel loop."""
     return sum(isinstance(s, ir.Loop) and s.kind == "parallel" for s in kernel.body)
+
+
+def has_vnni(n, isa):
+    """Whether a CPU of instructions isa has VNNI's byte dot for vectors of n i32."""
+    return n == 16 and "avx512vnni" in isa or n == 8 and ("avxvnni" in isa or {"avx512vnni", "avx512vl"} <= isa)
 
 
 def program_module(launch_slots, kernels, width, triple, isa=frozenset(), stamps=None, options=None) -> L.Module:

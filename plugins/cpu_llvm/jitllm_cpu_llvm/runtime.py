@@ -59,6 +59,12 @@ def optimize(mod, tm=None):
         passes.getModulePassManager().run(mod, passes)
 
 
+def machine_scheduler(on):
+    """Whether the next code generation runs LLVM's machine scheduler (a process-wide option: only LLVM's thread
+    generates code)."""
+    llvm.set_option("", f"-enable-misched={'true' if on else 'false'}")
+
+
 def _pass_builder(tm):
     return llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=3))
 
@@ -98,8 +104,8 @@ class Compiled:
     kernels, bindings, this lowering's source, the CPU), so that a warm start neither lowers nor compiles. Not
     cached: lowered to LLVM IR text on the caller's thread, compiled on LLVM's; `wait` waits for it."""
 
-    def __init__(self, key: str, text_fn, device_name="cpu"):
-        self.path, self.device_name = cache_dir("cpu") / f"{key}.o", device_name
+    def __init__(self, key: str, text_fn, device_name="cpu", schedule=True):
+        self.path, self.device_name, self.schedule = cache_dir("cpu") / f"{key}.o", device_name, schedule
         _LOADED.append(self)
         self.cached = self.path.exists()
         self._step = _LLVM.submit(self._engine, None).result() if self.cached else None  # code from the cache
@@ -113,6 +119,7 @@ class Compiled:
         mod.link_in(llvm.parse_assembly(lower.SUPPORT_IR, context=self.context))
         mod.verify()
         optimize(mod)
+        machine_scheduler(self.schedule)  # LLVM's option, global: set for each module on this, LLVM's one thread
         return self._engine(mod)
 
     def wait(self):
@@ -196,11 +203,18 @@ class CpuProgram(Program):
         stamps = bslot.setdefault(id(self.stamps), (len(bslot), self.stamps))[0] if timed else None
         kernels = [ln.kernel for ln in launches]
         options = {k.key(): device.tuned[k.tune_tag] for k in kernels if k.tune_tag in device.tuned}
+        # LLVM's machine scheduler, which orders a whole module: left out of a program whose tagged kernels are all
+        # ones tuned for streaming (the decode step's matvecs; not a prefill gemm) on a CPU without VNNI, where it
+        # interleaves their byte products' i16 sums into spills (a Zen 3's decode matvecs 10 % slower in the
+        # step with it; its prefill gemm at half the pace without it)
+        tagged = [k for k in kernels if k.tune_tag]
+        self.schedule = lower.has_vnni(device.width, device.instructions) or not tagged or \
+            any(k.tune_tag not in device.tuned for k in tagged)
         triple, cpu, features, _ = host()
         key = digest(LOWERING, slots, stamps, device.width, sorted(device.instructions), device.emulation, triple, cpu,
-                     features, llvmlite.__version__, sorted(options.items()))
+                     features, llvmlite.__version__, sorted(options.items()), self.schedule)
         self.compiled = device.compile(key, lambda: device.made_runnable(str(lower.program_module(
-            slots, kernels, device.width, triple, device.instructions, stamps, options))))
+            slots, kernels, device.width, triple, device.instructions, stamps, options))), self.schedule)
         self.scalar_slots = sslot
         self.keep = [b for _, b in bslot.values()]
         self.bufs = (ctypes.c_void_p * max(1, len(bslot)))(*[b.addr for _, b in sorted(bslot.values(), key=lambda t: t[0])])
@@ -310,11 +324,11 @@ class CpuDevice(Device):
     def timed_program(self, launches):
         return CpuProgram(self, launches, timed=True)
 
-    def compile(self, key, text_fn):
+    def compile(self, key, text_fn, schedule=True):
         if key in self.compiled:
             return self.compiled[key]
         try:
-            self.compiled[key] = Compiled(key, text_fn, self.name)
+            self.compiled[key] = Compiled(key, text_fn, self.name, schedule)
             return self.compiled[key]
         except RuntimeError as e:  # loading the cached code
             raise compile_failed(self.name, e) from None
