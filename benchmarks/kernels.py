@@ -135,12 +135,8 @@ def fma_peak(threads=1, iterations=20_000_000):
                f"  %c = icmp ult i64 %j, %n\n  br i1 %c, label %loop, label %done\ndone:\n"
                f"  %s0 = fadd {v} %b0, zeroinitializer\n{total}"
                f"  %r = extractelement {v} %s{chains - 1}, i32 0\n  ret float %r\n}}\n")
-    def compile():  # on LLVM's thread, with its machine scheduler (a process-wide option the programs set)
-        runtime.machine_scheduler(True)
-        engine = llvm.create_mcjit_compiler(llvm.parse_assembly(ir_text), runtime.target_machine())
-        engine.finalize_object()
-        return engine
-    engine = runtime._LLVM.submit(compile).result()
+    engine = llvm.create_mcjit_compiler(llvm.parse_assembly(ir_text), runtime.target_machine())
+    runtime.on_llvm_thread(engine.finalize_object)  # code generation: where the programs' own options are set
     peak = ctypes.CFUNCTYPE(ctypes.c_float, ctypes.c_int64)(engine.get_function_address("peak"))
     rates = [[] for _ in range(threads)]
 

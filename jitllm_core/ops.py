@@ -206,7 +206,8 @@ def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, 
     tail, first = T % N, t0 // N
     full, short = (n - tail + N - 1) // N, 0  # where the tiles of N end; tiles of N - 1 after them
     m, least = n - first * N, (N - 1) * (N - 2)
-    if N > 2 and T >= least:
+    shorter = N > 2 and T >= least  # whether a step can hold tiles of N - 1
+    if shorter:
         short = ir.select(m >= least, (N - m % N) % N, 0)
         full = ir.select(short > 0, first + (m - short * (N - 1)) // N, full)
     with k.parallel("s", slices) as s:
@@ -242,7 +243,7 @@ def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, 
                                     k.store("y", tok * rows + r, v)
                 with k.loop("tt", ir.vmax(full, first) - first, "serial", start=first) as tt:
                     tile(tt * N, N)
-                if not isinstance(short, int):
+                if shorter:
                     with k.loop("ts", short, "serial") as ts:
                         tile(full * N + ts * (N - 1), N - 1)
                 if tail:

@@ -116,23 +116,19 @@ def test_machine_scheduler_left_out_only_for_streaming_kernels_without_vnni(cpu,
     dev = cpu if target is None else assembly.device(target)
     k, gemm, norm = matvec(), ops.prefill_matmul(quant.PACKED["R4"], 64, COLS, 8), ops.rmsnorm(COLS, 4, 1e-5)
     assert gemm.tune_tag and not norm.tune_tag
-    bufs = {}
-
-    def program(*kernels):  # whether the program of these kernels' launches is compiled with the scheduler
-        launches = [Launch(x, {p: bufs.get((x.key(), p)) or bufs.setdefault(
-            (x.key(), p), dev.alloc(b.size * ir.STORAGE_DTYPES[b.dtype])) for p, b in x.buffers.items()})
-                    for x in kernels]
-        return dev.program(launches).schedule
+    scheduled = lambda *kernels: runtime.machine_scheduled(dev, kernels)
     vnni = lower.has_vnni(dev.width, dev.instructions)
     try:
         dev.tune(k.tune_tag, {"prefetch": lower.PREFETCH})
-        assert program(k) == program(norm, k) == vnni and program(k, gemm) and program(norm)
-        dev.tuned.pop(k.tune_tag)
-        assert program(k)
+        assert scheduled(k) == scheduled(norm, k) == vnni and scheduled(k, gemm) and scheduled(norm)
+        if target is None:  # and a program is compiled so
+            bufs = {p: cpu.alloc(b.size * ir.STORAGE_DTYPES[b.dtype]) for p, b in k.buffers.items()}
+            assert cpu.program([Launch(k, bufs)]).compiled.schedule == vnni
+            for b in bufs.values():
+                cpu.free(b)
     finally:
-        dev.tuned.pop(k.tune_tag, None)
-        for b in bufs.values():
-            dev.free(b)
+        dev.tuned.pop(k.tune_tag)
+    assert scheduled(k)
     assert target or vnni or assembly.assembly(k, schedule=False) != assembly.assembly(k)
     if target is None:  # tuned: without the scheduler (if this CPU lacks VNNI); not tuned: with it
         outs = outputs_tuned(cpu, k, [{"prefetch": lower.PREFETCH}, None])

@@ -42,14 +42,10 @@ def assembly(k, cpu=None, schedule=True):
     """x86 assembly (AT&T) of a program of kernel k alone, for `cpu` (a TARGETS name; None: this CPU), with LLVM's
     machine scheduler or without (generated on LLVM's thread, where the option is set for each module)."""
     feats = None if cpu is None else features(cpu)
-
-    def emit():
-        tm = runtime.target_machine(cpu)
-        mod = llvm.parse_assembly(module(k, runtime.simd_width(feats), runtime.isa(feats)))
-        runtime.optimize(mod, tm if cpu else None)
-        runtime.machine_scheduler(schedule)
-        return tm.emit_assembly(mod)
-    return runtime._LLVM.submit(emit).result()
+    tm = runtime.target_machine(cpu)
+    mod = llvm.parse_assembly(module(k, runtime.simd_width(feats), runtime.isa(feats)))
+    runtime.optimize(mod, tm if cpu else None)
+    return runtime.on_llvm_thread(lambda: tm.emit_assembly(mod), schedule)
 
 
 def loops(asm):

@@ -59,10 +59,28 @@ def optimize(mod, tm=None):
         passes.getModulePassManager().run(mod, passes)
 
 
-def machine_scheduler(on):
+def _machine_scheduler(on):
     """Whether the next code generation runs LLVM's machine scheduler (a process-wide option: only LLVM's thread
-    generates code)."""
+    generates code, `on_llvm_thread`)."""
     llvm.set_option("", f"-enable-misched={'true' if on else 'false'}")
+
+
+def on_llvm_thread(generate, schedule=True):
+    """generate() (code generation of one module) run on LLVM's thread, with its machine scheduler or without."""
+    def run():
+        _machine_scheduler(schedule)
+        return generate()
+    return _LLVM.submit(run).result()
+
+
+def machine_scheduled(device, kernels) -> bool:
+    """Whether a program of these kernels is compiled with LLVM's machine scheduler, which orders a whole module:
+    not where every tagged kernel among them was tuned for streaming (the decode step's matvecs; a prefill gemm is
+    tagged and never tuned) on a CPU without VNNI, where it interleaves their byte products' i16 sums into spills
+    (a Zen 3's decode matvecs 10 % slower in the step with it; its prefill gemm at half the pace without it)."""
+    tagged = [k for k in kernels if k.tune_tag]
+    return lower.has_vnni(device.width, device.instructions) or not tagged or \
+        any(k.tune_tag not in device.tuned for k in tagged)
 
 
 def _pass_builder(tm):
@@ -119,7 +137,7 @@ class Compiled:
         mod.link_in(llvm.parse_assembly(lower.SUPPORT_IR, context=self.context))
         mod.verify()
         optimize(mod)
-        machine_scheduler(self.schedule)  # LLVM's option, global: set for each module on this, LLVM's one thread
+        _machine_scheduler(self.schedule)  # LLVM's option, global: set for each module on this, LLVM's one thread
         return self._engine(mod)
 
     def wait(self):
@@ -203,18 +221,13 @@ class CpuProgram(Program):
         stamps = bslot.setdefault(id(self.stamps), (len(bslot), self.stamps))[0] if timed else None
         kernels = [ln.kernel for ln in launches]
         options = {k.key(): device.tuned[k.tune_tag] for k in kernels if k.tune_tag in device.tuned}
-        # LLVM's machine scheduler, which orders a whole module: left out of a program whose tagged kernels are all
-        # ones tuned for streaming (the decode step's matvecs; not a prefill gemm) on a CPU without VNNI, where it
-        # interleaves their byte products' i16 sums into spills (a Zen 3's decode matvecs 10 % slower in the
-        # step with it; its prefill gemm at half the pace without it)
-        tagged = [k for k in kernels if k.tune_tag]
-        self.schedule = lower.has_vnni(device.width, device.instructions) or not tagged or \
-            any(k.tune_tag not in device.tuned for k in tagged)
         triple, cpu, features, _ = host()
+        # (whether the scheduler runs follows from what the key holds: the kernels, which are tuned, the CPU)
         key = digest(LOWERING, slots, stamps, device.width, sorted(device.instructions), device.emulation, triple, cpu,
-                     features, llvmlite.__version__, sorted(options.items()), self.schedule)
+                     features, llvmlite.__version__, sorted(options.items()))
         self.compiled = device.compile(key, lambda: device.made_runnable(str(lower.program_module(
-            slots, kernels, device.width, triple, device.instructions, stamps, options))), self.schedule)
+            slots, kernels, device.width, triple, device.instructions, stamps, options))),
+                                       machine_scheduled(device, kernels))
         self.scalar_slots = sslot
         self.keep = [b for _, b in bslot.values()]
         self.bufs = (ctypes.c_void_p * max(1, len(bslot)))(*[b.addr for _, b in sorted(bslot.values(), key=lambda t: t[0])])
