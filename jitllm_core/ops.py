@@ -55,15 +55,24 @@ def rmsnorm(dim: int, T: int, eps: float) -> ir.Kernel:
     return k.finish()
 
 
+# tokens a tile of the int8 mode's prefill matmuls dots at once (`matmul(tokens=...)`): on a Zen 5, engines built
+# each way in one process, alternated, the 1B shape's 256-token prompt ran 149 tok/s token by token, 202 in tiles
+# of 2, 218 of 4, 210 of 8 (docs/benchmarks.md)
+INT8_TOKENS = 4
+
+
 @functools.cache
 def matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=False, wide=False,
-           digits=DIGITS) -> ir.Kernel:
+           digits=DIGITS, tokens=1) -> ir.Kernel:
     """y[t, r] (+)= W[r, :] . x[t, :] (+ b[r]) for t in [t0, n_tokens); one quantized row per iteration (an
     interleaved format's: ROWS rows, a vector lane each), reused across the step's tokens while it is in cache.
     The dot4 layouts (`Format.digits`) read the input as `quantize_input(cols, T, digits)` writes it. wide: the
-    row's dot in the form for a device of many threads (Format.row_dot)."""
+    row's dot in the form for a device of many threads (Format.row_dot). tokens: an interleaved format's tokens
+    in tiles of this many, their dots sibling reduces over the row's blocks (one loop: each weight loaded and
+    unpacked once for the tile), the step's last (n_tokens - t0) % tokens one by one."""
     k = ir.Kernel(f"matmul_{fmt.name}_{rows}x{cols}_T{T}{'_acc' if accumulate else ''}{'_bias' if bias else ''}"
-                  f"{'_wide' if wide else ''}{f'_d{digits}' if fmt.digits and digits != DIGITS else ''}")
+                  f"{'_wide' if wide else ''}{f'_d{digits}' if fmt.digits and digits != DIGITS else ''}"
+                  f"{f'_t{tokens}' if tokens > 1 else ''}")
     k.buffer("w", fmt.storage, rows * fmt.row_units(cols)), k.buffer("x", "f32", T * cols)
     if fmt.digits:
         k.buffer("xq", "u8", T * digits * cols), k.buffer("xd", "f32", T * cols // 32)
@@ -82,9 +91,20 @@ def matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=Fal
     if isinstance(fmt, Interleaved):
         k.tune_as(f"matvec_{fmt.name}", n_tokens=1, t0=0)  # tuned for the decode step, where weights stream
         with k.parallel("rg", rows // ROWS) as rg:
-            with k.loop("t", n - t0, "serial", start=t0) as t:
+            def dots(t, ri, n):  # tokens t .. t + n - 1 by the group's rows (lanes ri)
+                vs = [k.let(f"dot{j}", fmt.lane_dot(k, "w", rg, ri, cols, Input(k, t + j, cols, digits)))
+                      for j in range(n)]
+                for j, v in enumerate(vs):
+                    put(t + j, rg * ROWS + ri, v)
+            tiled = t0
+            if tokens > 1:
+                with k.loop("tt", (n - t0) // tokens, "serial") as tt:
+                    with k.loop("ri", ROWS, "vector") as ri:
+                        dots(t0 + tt * tokens, ri, tokens)
+                tiled = n - (n - t0) % tokens
+            with k.loop("t", n - tiled, "serial", start=tiled) as t:
                 with k.loop("ri", ROWS, "vector") as ri:
-                    put(t, rg * ROWS + ri, k.let("dot", fmt.lane_dot(k, "w", rg, ri, cols, Input(k, t, cols, digits))))
+                    dots(t, ri, 1)
         return k.finish()
     with k.parallel("r", rows) as r:
         with k.loop("t", n - t0, "serial", start=t0) as t:

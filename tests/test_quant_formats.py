@@ -72,7 +72,8 @@ def test_repacked_layout_holds_the_same_values(cpu, name):
 def assert_packed_layout_holds_the_values(cpu, name):
     """The load-time repacking changes no value: dequantized on the device, the packed tensor equals gguf's
     reference exactly; its matmul (a dot4 layout's reads the input as quantize_input writes it) equals the
-    reference dot to rounding, for several tokens, with the input in exact digits and in int8."""
+    reference dot to rounding, for several tokens, with the input in exact digits and in int8, token by token
+    and in a tile of 2 (the step's third token then on its own)."""
     rows, cols, T = 48, 768, 3
     rng = np.random.default_rng(11)
     w, ref = random_tensor(name, rows, cols, rng)
@@ -86,21 +87,23 @@ def assert_packed_layout_holds_the_values(cpu, name):
         got = got.reshape(rows // quant.ROWS, cols, quant.ROWS).transpose(0, 2, 1)
     np.testing.assert_array_equal(got.reshape(rows, cols), ref)
     x = rng.standard_normal((T, cols)).astype(np.float32)
-    mm = ops.matmul(fmt, rows, cols, T)
     bufs = {"w": packed, "x": x.reshape(-1), "y": np.zeros(T * rows, np.float32)}
     if fmt.digits:
         bufs.update(quantized_input(cpu, x))
-    y = run_on_device(cpu, mm, bufs, {"n_tokens": T, "t0": 0})["y"].reshape(T, rows)
     want = x.astype(np.float64) @ ref.T.astype(np.float64)
-    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    for tokens in (1, 2):
+        y = run_on_device(cpu, ops.matmul(fmt, rows, cols, T, tokens=tokens), bufs,
+                          {"n_tokens": T, "t0": 0})["y"].reshape(T, rows)
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     if fmt.digits:  # int8 inputs: the same dot of the weights with the input as its int8 values spell it
         q = quantized_input(cpu, x, quant.INT8)
         xq = q["xq"].view(np.int8).reshape(T, cols) * q["xd"].reshape(T, -1).repeat(32, 1).astype(np.float64)
         bufs.update(q)
-        y = run_on_device(cpu, ops.matmul(fmt, rows, cols, T, digits=quant.INT8), bufs,
-                          {"n_tokens": T, "t0": 0})["y"].reshape(T, rows)
         want = xq @ ref.T.astype(np.float64)
-        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        for tokens in (1, 2):
+            y = run_on_device(cpu, ops.matmul(fmt, rows, cols, T, digits=quant.INT8, tokens=tokens), bufs,
+                              {"n_tokens": T, "t0": 0})["y"].reshape(T, rows)
+            np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def quantized_input(device, x, digits=quant.DIGITS):
