@@ -1,9 +1,10 @@
-"""Decode tok/s of variants of the IR's builders alternated in one process (A B A B ...), so that the machine's
-drift between runs (~30 % here) falls on all variants alike. A variant sets one class or module attribute of
+"""Decode (and prompt) tok/s of variants of the IR's builders alternated in one process (A B A B ...), so that the
+machine's drift between runs (~30 % here) falls on all variants alike. A variant sets one class or module attribute of
 jitllm_core before its engine is built (the op builders' caches are cleared, so its kernels are built anew;
 the CPU compiles them under keys of their own, as the IR differs):
 
     python benchmarks/ab_decode.py -m MODEL --threads 2 --set quant.R6.pieces 2 4 [--rounds 7]
+    python benchmarks/ab_decode.py -m MODEL --activations int8 --prompt-tokens 256 --set ops.INT8_TOKENS 1 4
 
 A device's tuned lowering options too: `--set tuning.FORCED '{"prefetch": 0}' '{"prefetch": 1}'` gives every
 kernel tag candidate 0, then 1, of the CPU's `prefetch` (CpuDevice.tunables). And the CPU backend's lowering
@@ -31,6 +32,8 @@ def main():
                     help="an attribute under jitllm_core or jitllm_cpu_llvm (module.name or module.Class.name) and its values")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--decode-tokens", type=int, default=24)
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--activations", default="f32", help="the engine's matmul inputs: f32 (exact) or int8")
     args = ap.parse_args()
     path, values = args.set[0].split("."), [ast.literal_eval(v) for v in args.set[1:]]
     backend = importlib.util.find_spec(f"jitllm_core.{path[0]}") is None  # a module of the CPU backend
@@ -47,17 +50,20 @@ def main():
         for f in vars(ops).values():
             if hasattr(f, "cache_clear"):
                 f.cache_clear()
-        eng = jl.Engine(args.model, devices=["cpu"], threads=args.threads, max_context=512)
-        ids = bench.prompt_ids(eng.tokenizer, 32)
+        eng = jl.Engine(args.model, devices=["cpu"], threads=args.threads, max_context=512,
+                        activations=args.activations)
+        ids = bench.prompt_ids(eng.tokenizer, args.prompt_tokens)
         bench.jitllm_once(eng, ids, 2)  # warm-up
         engines.append((v, eng))
     runs = [[] for _ in values]
     for _ in range(args.rounds):
         for (v, eng), r in zip(engines, runs):
-            r.append(bench.jitllm_once(eng, ids, args.decode_tokens)[1])
+            r.append(bench.jitllm_once(eng, ids, args.decode_tokens))
     for v, r in zip(values, runs):
-        print(f"{args.set[0]} = {v!r}: {args.threads} thread(s), decode tok/s median {np.median(r):.2f} "
-              f"(runs {', '.join(f'{x:.2f}' for x in r)})")
+        prompt, decode = zip(*r)
+        print(f"{args.set[0]} = {v!r}: {args.threads} thread(s), decode tok/s median {np.median(decode):.2f} "
+              f"(runs {', '.join(f'{x:.2f}' for x in decode)}); {args.prompt_tokens}-token prompt tok/s median "
+              f"{np.median(prompt):.1f} (runs {', '.join(f'{x:.1f}' for x in prompt)})")
 
 
 if __name__ == "__main__":
