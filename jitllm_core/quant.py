@@ -15,9 +15,9 @@ broadcast). R4, R4K and R6 are *dot4 layouts*: their fields are words (4 weights
 file's nibble order, Q6_K's q whole), and their dots multiply the weights' integers by the input's
 (`ops.quantize_input`: 3 signed base-256 digits per element, each within 2^-24 of its span's largest) with
 `ir.dot4`, 4 byte products to a lane per instruction where the CPU has VNNI, then apply the scales in f32
-(d * scale * sum q x + offset * sum x, the input's sums read for the offsets). Sizes are the file's (Q4_K: 4.6
-bits per weight instead of 4.5, its packed 6-bit scales widened to bytes; Q6_K: 212 bytes a block instead of 210,
-to keep words whole).
+(d * scale * sum q x + offset * sum x, the input's sums read for the offsets). Sizes are the file's (Q4_K's
+packed 6-bit scales stay packed, unpacked a word at a time in the dot), but Q6_K's 212 bytes a block instead of
+210, to keep words whole.
 """
 from __future__ import annotations
 
@@ -324,19 +324,28 @@ class R4(Affine4):
 
 
 class R4K(Affine4):
-    """Q4_K's super-blocks of 256: [d f16, dmin f16][8 scales u8][8 mins u8][8 x 4 words of nibbles] per row;
-    sub-block s's value = d * scale_s * q - dmin * min_s. Pieces: sub-blocks 0-3, 4-7 (one piece no faster)."""
+    """Q4_K's super-blocks of 256: [d f16, dmin f16][the file's 12 bytes of 6-bit scales and mins][8 x 4 words of
+    nibbles] per row (the file's 144 bytes); sub-block s's value = d * scale_s * q - dmin * min_s. Pieces:
+    sub-blocks 0-3, 4-7 (one piece no faster), each piece's 4 scales and 4 mins a word of bytes made from the
+    packed words (llama.cpp's get_scale_min_k4, 4 at once)."""
     pieces = 2
+
+    def scale_words(self, k, buf, at, piece):
+        """(scales, mins) of the piece's 4 sub-blocks, a byte each: piece 0's the low 6 bits of packed words 0 and
+        1; piece 1's the low and high nibbles of word 2 under the top 2 bits of words 0 and 1's bytes."""
+        w = [_word(k, buf, at(4 + 4 * i, 4)) for i in range(3)]
+        low = 0x3F3F3F3F - piece * 0x30303030            # 6 bits of word 0 or 1, or 4 of word 2
+        tops = [((x >> 2) & 0x30303030) * piece for x in w[:2]]  # piece 1's bits 4-5 (a product: piece is 0 or 1)
+        first = [ir.select(piece > 0, w[2], w[0]), ir.select(piece > 0, w[2] >> 4, w[1])]
+        return [(f & low) | t for f, t in zip(first, tops)]
 
     def subs(self, k, buf, at, piece):
         dm = _word(k, buf, at(0, 4))
         d, dmin = ir.f16bits(dm), ir.f16bits(dm >> 16)
         n = 8 // self.pieces
-
-        def byte(off, j):
-            w, b = _byte_of(piece, n, j)
-            return F((_word(k, buf, at(off + 4 * w, 4)) >> 8 * b) & 255)
-        return [(d * byte(4, j), -(dmin * byte(12, j)), 20 + 16 * (piece * n + j), 32 * (piece * n + j))
+        scales, mins = self.scale_words(k, buf, at, piece)
+        byte = lambda w, j: F((w >> 8 * j) & 255)
+        return [(d * byte(scales, j), -(dmin * byte(mins, j)), 16 + 16 * (piece * n + j), 32 * (piece * n + j))
                 for j in range(n)]
 
 
@@ -405,7 +414,7 @@ FORMATS = {
 PACKED = {
     "R8": R8("R8", 32, 34, "u8", 1, ROWS),
     "R4": R4("R4", 32, 20, "u8", 1, ROWS),
-    "R4K": R4K("R4K", 256, 148, "u8", 1, ROWS),
+    "R4K": R4K("R4K", 256, 144, "u8", 1, ROWS),
     "R6": R6("R6", 256, 212, "u8", 1, ROWS),
 }
 
@@ -452,13 +461,9 @@ def _pack_q4_1(b, rows):
 
 
 def _pack_q4_k(b, rows):
-    s = b[:, 4:16]
-    sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 15) | ((s[:, 0:4] >> 6) << 4)], axis=1)
-    mn = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
     qs = b[:, 16:144].reshape(-1, 4, 1, 32)
     q = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(-1, 8, 32)      # sub-block 2p, then 2p + 1
-    return _words(rows, np.concatenate([b[:, 0:4], sc, mn, (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(-1, 128)],
-                                       axis=1))
+    return _words(rows, np.concatenate([b[:, 0:16], (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(-1, 128)], axis=1))
 
 
 def _pack_q6_k(b, rows):
