@@ -73,7 +73,7 @@ def assert_packed_layout_holds_the_values(cpu, name):
     """The load-time repacking changes no value: dequantized on the device, the packed tensor equals gguf's
     reference exactly; its matmul (a dot4 layout's reads the input as quantize_input writes it) equals the
     reference dot to rounding, for several tokens, with the input in exact digits and in int8, token by token
-    and in a tile of 2 (the step's third token then on its own)."""
+    and in a tile of 2 (the step's third token then on its own; from t0 = 1, the tile is the step)."""
     rows, cols, T = 48, 768, 3
     rng = np.random.default_rng(11)
     w, ref = random_tensor(name, rows, cols, rng)
@@ -91,10 +91,11 @@ def assert_packed_layout_holds_the_values(cpu, name):
     if fmt.digits:
         bufs.update(quantized_input(cpu, x))
     want = x.astype(np.float64) @ ref.T.astype(np.float64)
-    for tokens in (1, 2):
+    for tokens, t0 in ((1, 0), (2, 0), (2, 1)):
         y = run_on_device(cpu, ops.matmul(fmt, rows, cols, T, tokens=tokens), bufs,
-                          {"n_tokens": T, "t0": 0})["y"].reshape(T, rows)
-        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+                          {"n_tokens": T, "t0": t0})["y"].reshape(T, rows)
+        np.testing.assert_allclose(y[t0:], want[t0:], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        assert not y[:t0].any()
     if fmt.digits:  # int8 inputs: the same dot of the weights with the input as its int8 values spell it
         q = quantized_input(cpu, x, quant.INT8)
         xq = q["xq"].view(np.int8).reshape(T, cols) * q["xd"].reshape(T, -1).repeat(32, 1).astype(np.float64)
