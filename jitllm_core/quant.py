@@ -333,10 +333,10 @@ class R4K(Affine4):
     def scale_words(self, k, buf, at, piece):
         """(scales, mins) of the piece's 4 sub-blocks, a byte each: piece 0's the low 6 bits of packed words 0 and
         1; piece 1's the low and high nibbles of word 2 under the top 2 bits of words 0 and 1's bytes."""
-        w = [_word(k, buf, at(4 + 4 * i, 4)) for i in range(3)]
+        word = lambda i: _word(k, buf, at(4 + 4 * i, 4))
         low = 0x3F3F3F3F - piece * 0x30303030            # 6 bits of word 0 or 1, or 4 of word 2
-        tops = [((x >> 2) & 0x30303030) * piece for x in w[:2]]  # piece 1's bits 4-5 (a product: piece is 0 or 1)
-        first = [ir.select(piece > 0, w[2], w[0]), ir.select(piece > 0, w[2] >> 4, w[1])]
+        tops = [((word(i) >> 2) & 0x30303030) * piece for i in range(2)]  # piece 1's bits 4-5 (piece is 0 or 1)
+        first = [word(2 * piece), word(1 + piece) >> 4 * piece]  # words 0 and 1, or word 2 and its high nibbles
         return [(f & low) | t for f, t in zip(first, tops)]
 
     def subs(self, k, buf, at, piece):
