@@ -149,6 +149,24 @@ def test_prefetch_once_per_line_of_streamed_weights(width, isa, rows, cols):
     assert text.count("call void @\"llvm.prefetch.p0\"") == lines * len(distances)
 
 
+def selected_constants(text):
+    """The i32 constants lowered code selects (a claimed chunk's least size among them: select(chunk < least,
+    least, chunk); a share's whole extent on one thread too)."""
+    return {int(n) for n in re.findall(r'select\s+i1 %"?[\w.]+"?, i32 (\d+), i32 %', text)}
+
+
+def test_claimed_chunks_stream_at_least_claim_bytes_of_weights(monkeypatch):
+    """Each chunk a thread claims of a parallel loop starts a new stream, whose first lines wait on DRAM: a decode
+    matvec's chunks hold at least CLAIM_BYTES of its weights -- SmolLM2's 1536 x 576 projection, 96 row groups of
+    5,760 bytes, at least 23 of them a chunk (4 chunks a thread of two would be 6) -- and 1 row group where none
+    is asked."""
+    k = ops.matmul(quant.PACKED["R4"], 1536, 576, 1)
+    least = -(-lower.CLAIM_BYTES // quant.PACKED["R4"].nbytes(quant.ROWS, 576))
+    assert least == 23 and selected_constants(module_text(k, ())) == {96, 23}
+    monkeypatch.setattr(lower, "CLAIM_BYTES", 0)
+    assert selected_constants(module_text(k, ())) == {96, 1}
+
+
 def broadcast_use_spans(text):
     """For each value broadcast to all lanes (a splat: a shufflevector by zeros, with the casts of it) that two
     instructions use, how many instructions apart they are."""

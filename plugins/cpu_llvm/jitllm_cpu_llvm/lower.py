@@ -2,22 +2,22 @@
 
 Each kernel becomes `void k(ptr buf..., i32 scalar..., i32 tid, i32 nth, ptr barrier, ptr counters)`. A top-level
 parallel loop runs half its iterations in one contiguous share per thread and hands out the rest in chunks claimed
-from a counter; other top-level effects run on thread 0; a top-level Barrier calls the native barrier. `vector`
-loops and reduces become SIMD code with W lanes when their bodies allow it (affine indices become contiguous vector
-loads/stores, others gathers/scatters); a reduce whose value is a vector reduce of the same op keeps one vector
-accumulator across both loops (a quantized dot product then does one horizontal sum per row, not per block), each
-summand accumulating with its own multiply-add. Inside a vector loop, reduces over a uniform loop run across the
-lanes (outer-loop vectorization), sibling ones in one loop sharing what they load, two vectors of lanes per
-iteration, unrolled reduces inside them spread over four chains (sums of dot4s that read the same words, one per
-digit of the input, computed together word by word; sums written out, each for every vector in turn; other
-unrolled reduces iteration by iteration for every vector: an input broadcast feeds all vectors at once); stores
-under a lane-varying `if` are masked. What quantized weights need is recognized in the IR rather than written per
-format: a little-endian field assembled from bytes is one wide load, a float of a function of 4 bits is one table
-lookup (vpermps), addresses keep each index term's offset visible, and a sum of `dot4`s accumulates each into the
-sum so far (VNNI's vpdpbusd; where the CPU has no VNNI and the bytes are provably small, pmaddubsw's pair sums add
-up as i16 as far as their bound allows, then widen once). Weights streamed from memory are prefetched a few KB
-ahead (into L1) and further (into L2), once per cache line, where the device's tuning keeps it
-(CpuDevice.tunables).
+from a counter (each streaming at least CLAIM_BYTES of weights); other top-level effects run on thread 0; a
+top-level Barrier calls the native barrier. `vector` loops and reduces become SIMD code with W lanes when their
+bodies allow it (affine indices become contiguous vector loads/stores, others gathers/scatters); a reduce whose
+value is a vector reduce of the same op keeps one vector accumulator across both loops (a quantized dot product then
+does one horizontal sum per row, not per block), each summand accumulating with its own multiply-add. Inside a
+vector loop, reduces over a uniform loop run across the lanes (outer-loop vectorization), sibling ones in one loop
+sharing what they load, two vectors of lanes per iteration, unrolled reduces inside them spread over four chains
+(sums of dot4s that read the same words, one per digit of the input, computed together word by word; sums written
+out, each for every vector in turn; other unrolled reduces iteration by iteration for every vector: an input
+broadcast feeds all vectors at once); stores under a lane-varying `if` are masked. What quantized weights need is
+recognized in the IR rather than written per format: a little-endian field assembled from bytes is one wide load, a
+float of a function of 4 bits is one table lookup (vpermps), addresses keep each index term's offset visible, and a
+sum of `dot4`s accumulates each into the sum so far (VNNI's vpdpbusd; where the CPU has no VNNI and the bytes are
+provably small, pmaddubsw's pair sums add up as i16 as far as their bound allows, then widen once). Weights streamed
+from memory are prefetched a few KB ahead (into L1) and further (into L2), once per cache line, where the device's
+tuning keeps it (CpuDevice.tunables).
 A program module adds `step(ptr bufs, ptr scalars, tid, nth, barrier, counters)` that calls every launch's kernel in
 order (through functions of STEP_PART launches each) with a barrier after each that a later launch depends on.
 """
@@ -48,6 +48,10 @@ PREFETCH = ((4096, 3), (16384, 1))  # (distance, LLVM locality: 3 all levels, 1 
 PREFETCH_MIN = 32 << 10
 STEP_PART = 64  # launches per function of a program's step
 CLAIMS = 4  # chunks per thread of a parallel loop's claimed half
+# the least a claimed chunk streams of a loop's weights (read-only byte buffers): a chunk starts a new stream, whose
+# first lines wait on DRAM before its prefetches run ahead. SmolLM2's matvecs (its chunks were 35 KB) on a Zen 5's
+# two threads: decode 315 -> 346 / 355 / 338 tok/s at 64 / 128 / 256 KB; the 1B's (chunks of 605 KB) unchanged
+CLAIM_BYTES = 128 << 10
 CLAIM_STRIDE = 16  # i32s between two parallel loops' claim counters (a cache line each)
 PREFETCHED = "prefetched"  # memo entry: the cache lines a body has prefetched, one set for all its vectors
 LANE0 = "first lane"  # venv entry (no IR name has a space): the vector's first lane within the loop's iteration
@@ -257,14 +261,16 @@ class KernelLowering:
     def parallel(self, s, counter):
         """A top-level parallel loop: each thread first runs a contiguous share of half the iterations (no
         atomics), then all claim the rest a chunk at a time from the launch's counter, so that a thread slowed by
-        whatever else its core runs does less of it instead of holding up the barrier. The body is emitted once."""
+        whatever else its core runs does less of it instead of holding up the barrier (CLAIMS chunks a thread, each
+        at least CLAIM_BYTES of the loop's weights). The body is emitted once."""
         b, one = self.b, L.Constant(I32, 1)
         start, ext = self.expr(s.start), self.expr(s.extent)
         end = b.add(start, ext)
         share = b.select(b.icmp_signed("==", self.nth, one), ext, b.sdiv(ext, b.mul(self.nth, L.Constant(I32, 2))))
         first = b.add(start, b.mul(self.nth, share))  # where the claimed chunks begin
         chunk = b.sdiv(b.sub(end, first), b.mul(self.nth, L.Constant(I32, CLAIMS)))
-        chunk = b.select(b.icmp_signed("<", chunk, one), one, chunk)
+        least = L.Constant(I32, max(1, self.streamed_iterations(s, CLAIM_BYTES)))
+        chunk = b.select(b.icmp_signed("<", chunk, least), least, chunk)
         i, hi = self.alloca(I32), self.alloca(I32)
         lo = b.add(start, b.mul(self.tid, share))
         b.store(lo, i), b.store(b.add(lo, share), hi)
@@ -283,6 +289,15 @@ class KernelLowering:
         b.store(b.add(cur, one, flags=("nsw",)), i)
         b.branch(test)
         b.position_at_end(done)
+
+    def streamed_iterations(self, s, nbytes):
+        """Iterations of parallel loop s that read nbytes of its kernel's weights (its largest read-only byte
+        buffer, spread evenly over a constant extent); 1 where there is none."""
+        weights = [p.size for p in self.k.buffers.values() if p.dtype == "u8" and not p.write]
+        ext = s.extent.value if isinstance(s.extent, ir.Const) else None
+        if not weights or not ext:
+            return 1
+        return -(-nbytes * ext // max(weights))
 
     def block(self, body, bind):
         saved = dict(self.env)
