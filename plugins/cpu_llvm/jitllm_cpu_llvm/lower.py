@@ -292,12 +292,12 @@ class KernelLowering:
 
     def streamed_iterations(self, s, nbytes):
         """Iterations of parallel loop s that read nbytes of its kernel's weights (its largest read-only byte
-        buffer, spread evenly over a constant extent); 1 where there is none."""
+        buffer, spread evenly over a constant extent), at most all of them; 1 where there is none."""
         weights = [p.size for p in self.k.buffers.values() if p.dtype == "u8" and not p.write]
         ext = s.extent.value if isinstance(s.extent, ir.Const) else None
         if not weights or not ext:
             return 1
-        return -(-nbytes * ext // max(weights))
+        return min(ext, -(-nbytes * ext // max(weights)))
 
     def block(self, body, bind):
         saved = dict(self.env)
