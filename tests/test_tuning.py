@@ -151,7 +151,7 @@ def test_prefetch_once_per_line_of_streamed_weights(width, isa, rows, cols):
 
 def selected_constants(text):
     """The i32 constants lowered code selects (a claimed chunk's least size among them: select(chunk < least,
-    least, chunk); a share's whole extent on one thread too)."""
+    least, chunk); a share's whole extent on one thread, and 1, the least of any chunk, too)."""
     return {int(n) for n in re.findall(r'select\s+i1 %"?[\w.]+"?, i32 (\d+), i32 %', text)}
 
 
@@ -162,7 +162,7 @@ def test_claimed_chunks_stream_at_least_claim_bytes_of_weights(monkeypatch):
     is asked."""
     k = ops.matmul(quant.PACKED["R4"], 1536, 576, 1)
     least = -(-lower.CLAIM_BYTES // quant.PACKED["R4"].nbytes(quant.ROWS, 576))
-    assert least == 23 and selected_constants(module_text(k, ())) == {96, 23}
+    assert least == 23 and selected_constants(module_text(k, ())) == {96, 23, 1}
     monkeypatch.setattr(lower, "CLAIM_BYTES", 0)
     assert selected_constants(module_text(k, ())) == {96, 1}
 

@@ -50,7 +50,9 @@ STEP_PART = 64  # launches per function of a program's step
 CLAIMS = 4  # chunks per thread of a parallel loop's claimed half
 # the least a claimed chunk streams of a loop's weights (read-only byte buffers): a chunk starts a new stream, whose
 # first lines wait on DRAM before its prefetches run ahead. SmolLM2's matvecs (its chunks were 35 KB) on a Zen 5's
-# two threads: decode 315 -> 346 / 355 / 338 tok/s at 64 / 128 / 256 KB; the 1B's (chunks of 605 KB) unchanged
+# two threads: decode 315 -> 346 / 355 / 338 tok/s at 64 / 128 / 256 KB; the 1B's (chunks of 605 KB) unchanged.
+# Never more than a thread's even part of the claimed half (a prefill matmul's few slices: uncapped, SmolLM2's
+# 256-token prompt on two threads ran 1410 against 1591 tok/s capped)
 CLAIM_BYTES = 128 << 10
 CLAIM_STRIDE = 16  # i32s between two parallel loops' claim counters (a cache line each)
 PREFETCHED = "prefetched"  # memo entry: the cache lines a body has prefetched, one set for all its vectors
@@ -262,15 +264,20 @@ class KernelLowering:
         """A top-level parallel loop: each thread first runs a contiguous share of half the iterations (no
         atomics), then all claim the rest a chunk at a time from the launch's counter, so that a thread slowed by
         whatever else its core runs does less of it instead of holding up the barrier (CLAIMS chunks a thread, each
-        at least CLAIM_BYTES of the loop's weights). The body is emitted once."""
+        at least CLAIM_BYTES of the loop's weights, but at most a thread's even part of the claimed half: a few
+        long iterations, a prefill matmul's slices, still go to every thread). The body is emitted once."""
         b, one = self.b, L.Constant(I32, 1)
         start, ext = self.expr(s.start), self.expr(s.extent)
         end = b.add(start, ext)
         share = b.select(b.icmp_signed("==", self.nth, one), ext, b.sdiv(ext, b.mul(self.nth, L.Constant(I32, 2))))
         first = b.add(start, b.mul(self.nth, share))  # where the claimed chunks begin
-        chunk = b.sdiv(b.sub(end, first), b.mul(self.nth, L.Constant(I32, CLAIMS)))
-        least = L.Constant(I32, max(1, self.streamed_iterations(s, CLAIM_BYTES)))
+        claimed = b.sub(end, first)
+        chunk = b.sdiv(claimed, b.mul(self.nth, L.Constant(I32, CLAIMS)))
+        least = L.Constant(I32, self.streamed_iterations(s, CLAIM_BYTES))
         chunk = b.select(b.icmp_signed("<", chunk, least), least, chunk)
+        most = b.sdiv(b.add(claimed, b.sub(self.nth, one)), self.nth)
+        chunk = b.select(b.icmp_signed(">", chunk, most), most, chunk)
+        chunk = b.select(b.icmp_signed("<", chunk, one), one, chunk)
         i, hi = self.alloca(I32), self.alloca(I32)
         lo = b.add(start, b.mul(self.tid, share))
         b.store(lo, i), b.store(b.add(lo, share), hi)
@@ -292,12 +299,12 @@ class KernelLowering:
 
     def streamed_iterations(self, s, nbytes):
         """Iterations of parallel loop s that read nbytes of its kernel's weights (its largest read-only byte
-        buffer, spread evenly over a constant extent), at most all of them; 1 where there is none."""
+        buffer, spread evenly over a constant extent), at least 1 and at most all of them; 1 where there is none."""
         weights = [p.size for p in self.k.buffers.values() if p.dtype == "u8" and not p.write]
         ext = s.extent.value if isinstance(s.extent, ir.Const) else None
         if not weights or not ext:
             return 1
-        return min(ext, -(-nbytes * ext // max(weights)))
+        return max(1, min(ext, -(-nbytes * ext // max(weights))))
 
     def block(self, body, bind):
         saved = dict(self.env)
