@@ -347,8 +347,8 @@ class Llama:
         scalars = {} if logits else {"t0": "zero"}
         if not self._prefill_matmul(fmt, rows, prefill, interleave):
             digits = {"xq": "a:xq", "xd": "a:xd", "xs": "a:xs"} if fmt.digits else {}
-            # a prefill step's int8 dots in tiles of tokens (the LM head's one token needs none)
-            tokens = ops.INT8_TOKENS if prefill and interleave and self.digits == quant.INT8 and not logits else 1
+            # a prefill step's int8 dots (the dot4 layouts') in tiles of tokens (the LM head's one token needs none)
+            tokens = ops.INT8_TOKENS if prefill and fmt.digits and self.digits == quant.INT8 and not logits else 1
             return [LaunchTemplate(ops.matmul(fmt, rows, cols, self.T, acc, bias is not None, not interleave,
                                               self.digits, tokens),
                                    {"w": f"w:{name}", "x": f"a:{x}", **bufs, **digits}, scalars)]
