@@ -121,14 +121,21 @@ class Q4_1(Format):
         return [(l, d * F(q & 15) + m), (l + 16, d * F(q >> 4) + m)]
 
 
+def _k4_scales_mins(word, piece):
+    """(scales, mins) of sub-blocks 4 piece .. 4 piece + 3 of a Q4_K block, a byte each in a word, from its 12 bytes
+    of packed 6-bit scales and mins (word(i): their word i; llama.cpp's get_scale_min_k4, 4 at once): piece 0's the
+    low 6 bits of words 0 and 1; piece 1's the low and high nibbles of word 2 under the top 2 bits of words 0 and
+    1's bytes. piece: 0 or 1, a number or an expression."""
+    low = 0x3F3F3F3F - piece * 0x30303030            # 6 bits of word 0 or 1, or 4 of word 2
+    tops = [((word(i) >> 2) & 0x30303030) * piece for i in range(2)]  # piece 1's bits 4-5
+    first = [word(2 * piece), word(1 + piece) >> 4 * piece]  # words 0 and 1, or word 2 and its high nibbles
+    return [(f & low) | t for f, t in zip(first, tops)]
+
+
 def _k4_scale_min(k, buf, base, s):
-    """6-bit scale and min of sub-block s (0..7) of a Q4_K block (llama.cpp's get_scale_min_k4)."""
-    sc = lambda i: k.load(buf, base + 4 + i)
-    lo = s < 4
-    s4 = ir.select(lo, s, s - 4)  # keeps every index in range for both branches
-    scale = ir.select(lo, sc(s4) & 63, (sc(s4 + 8) & 15) | ((sc(s4) >> 6) << 4))
-    mn = ir.select(lo, sc(s4 + 4) & 63, (sc(s4 + 8) >> 4) | ((sc(s4 + 4) >> 6) << 4))
-    return F(scale), F(mn)
+    """6-bit scale and min of sub-block s (0..7, a number) of a Q4_K block in the file's layout."""
+    sc, mn = _k4_scales_mins(lambda i: _word(k, buf, base + 4 + 4 * i), s // 4)
+    return F((sc >> 8 * (s % 4)) & 255), F((mn >> 8 * (s % 4)) & 255)
 
 
 class Q4_K(Format):
@@ -327,23 +334,14 @@ class R4K(Affine4):
     """Q4_K's super-blocks of 256: [d f16, dmin f16][the file's 12 bytes of 6-bit scales and mins][8 x 4 words of
     nibbles] per row (the file's 144 bytes); sub-block s's value = d * scale_s * q - dmin * min_s. Pieces:
     sub-blocks 0-3, 4-7 (one piece no faster), each piece's 4 scales and 4 mins a word of bytes made from the
-    packed words (llama.cpp's get_scale_min_k4, 4 at once)."""
+    packed words (`_k4_scales_mins`)."""
     pieces = 2
-
-    def scale_words(self, k, buf, at, piece):
-        """(scales, mins) of the piece's 4 sub-blocks, a byte each: piece 0's the low 6 bits of packed words 0 and
-        1; piece 1's the low and high nibbles of word 2 under the top 2 bits of words 0 and 1's bytes."""
-        word = lambda i: _word(k, buf, at(4 + 4 * i, 4))
-        low = 0x3F3F3F3F - piece * 0x30303030            # 6 bits of word 0 or 1, or 4 of word 2
-        tops = [((word(i) >> 2) & 0x30303030) * piece for i in range(2)]  # piece 1's bits 4-5 (piece is 0 or 1)
-        first = [word(2 * piece), word(1 + piece) >> 4 * piece]  # words 0 and 1, or word 2 and its high nibbles
-        return [(f & low) | t for f, t in zip(first, tops)]
 
     def subs(self, k, buf, at, piece):
         dm = _word(k, buf, at(0, 4))
         d, dmin = ir.f16bits(dm), ir.f16bits(dm >> 16)
         n = 8 // self.pieces
-        scales, mins = self.scale_words(k, buf, at, piece)
+        scales, mins = _k4_scales_mins(lambda i: _word(k, buf, at(4 + 4 * i, 4)), piece)
         byte = lambda w, j: F((w >> 8 * j) & 255)
         return [(d * byte(scales, j), -(dmin * byte(mins, j)), 16 + 16 * (piece * n + j), 32 * (piece * n + j))
                 for j in range(n)]
