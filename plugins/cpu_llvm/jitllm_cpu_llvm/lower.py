@@ -37,11 +37,14 @@ UNROLL_ACCS = 4  # vector accumulators of a long reduction
 JAM = 2  # vectors of lanes per iteration of a vector loop that holds reduces (register tiles)
 LANE_BLOCK = 256  # iterations of a reduce across lanes summed before joining its total
 # bytes ahead that contiguous loads of large read-only byte buffers prefetch (quantized weights stream from DRAM;
-# smaller buffers, and f32 tiles reused from cache, are left alone), and into which cache level: the far prefetch
-# brings a line into L2, so that the near one's L1 fill waits on L2, not DRAM, and the core's few fill buffers
-# turn over fast (one thread's decode, measured: 9.2 -> 10.0 GB/s for Q4_K, 8.8 -> 9.5 for Q6_K; two: unchanged)
-PREFETCH = ((4096, 3), (16384, 1))  # (distance, LLVM locality: 3 all levels, 1 L2 and beyond); the device's
-# default, which it tunes per kernel tag (CpuDevice.tunables): some CPUs stream faster without
+# smaller buffers, and f32 tiles reused from cache, are left alone), and how (LLVM's locality: 3 into all cache
+# levels, 1 into L2 and out, 0 non-temporal: x86's prefetchnta). Measured on a Zen 5, engines alternated in one
+# process: the far prefetch non-temporal at 10 KB against into L2 at 16 KB, one thread's 1B decode 38.0 -> 46.6
+# tok/s, SmolLM2's 306 -> 327 (two threads 334 -> 381); into L2 at 6-12 KB, or non-temporal alone, in between
+PREFETCH = ((4096, 3), (10240, 0))  # (distance, locality); the device's default, which it tunes per kernel tag
+# (CpuDevice.tunables) among these, the earlier default (the far prefetch into L2, so that the near one's L1 fill
+# waits on L2, not DRAM: what an Ice Lake and an Emerald Rapids were measured with) and none
+PREFETCH_L2 = ((4096, 3), (16384, 1))
 # "large": a matrix streamed from DRAM in a decode step, however small (a step reads the whole model, which does
 # not stay in the caches): SmolLM2's 69-207 KB projections too, whose threads' short streams the hardware's
 # prefetcher barely starts on (two threads' decode +2-6 %, one thread's unchanged: docs/benchmarks.md)
@@ -208,7 +211,8 @@ class KernelLowering:
         return self.module.globals.get(name) or L.Function(self.module, L.FunctionType(ret, args), name=name)
 
     def prefetch(self, ptr, locality):
-        """A data prefetch (a read) of ptr into the cache levels LLVM's `locality` names (3: all, 1: L2 and out)."""
+        """A data prefetch (a read) of ptr into the cache levels LLVM's `locality` names (3: all, 1: L2 and out, 0:
+        non-temporal)."""
         fn = self.declare("llvm.prefetch.p0", VOID, [PTR, I32, I32, I32])
         self.b.call(fn, [ptr, L.Constant(I32, 0), L.Constant(I32, locality), L.Constant(I32, 1)])
 
