@@ -5,6 +5,7 @@ the CPU compiles them under keys of their own, as the IR differs):
 
     python benchmarks/ab_decode.py -m MODEL --threads 2 --set quant.R6.pieces 2 4 [--rounds 7]
     python benchmarks/ab_decode.py -m MODEL --activations int8 --prompt-tokens 256 --set ops.INT8_TOKENS 1 4
+    python benchmarks/ab_decode.py -m MODEL --prompt-tokens 256 --set engine.STEP_TOKENS 64 128  # an engine's steps
 
 A device's tuned lowering options too: `--set tuning.FORCED '{"prefetch": 0}' '{"prefetch": 1}'` gives every
 kernel tag candidate 0, then 1, of the CPU's `prefetch` (CpuDevice.tunables). And the CPU backend's lowering

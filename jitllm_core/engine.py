@@ -461,9 +461,10 @@ class Engine:
         self.last = Result(out, "", "length", timings)
         try:
             t = time.perf_counter()
-            for i in range(0, len(ids), STEP_TOKENS):
-                chunk = ids[i:i + STEP_TOKENS]
-                last_chunk = i + STEP_TOKENS >= len(ids)
+            T = self.model.T  # the step's tokens (STEP_TOKENS when the engine was made)
+            for i in range(0, len(ids), T):
+                chunk = ids[i:i + T]
+                last_chunk = i + T >= len(ids)
                 with self._lock:
                     logits = self._step(seq, chunk, len(chunk) - 1 if last_chunk else len(chunk))
             timings["prefill_s"] = time.perf_counter() - t
@@ -529,9 +530,10 @@ class Session:
         if not ids:
             raise JitllmError("feed needs at least one token")
         out = []
-        for i in range(0, len(ids), STEP_TOKENS):
+        T = self.eng.model.T
+        for i in range(0, len(ids), T):
             with self.eng._lock:
-                out.append(self.eng._step(self.seq, ids[i:i + STEP_TOKENS], 0).copy())
+                out.append(self.eng._step(self.seq, ids[i:i + T], 0).copy())
         return np.concatenate(out)
 
     def close(self):
