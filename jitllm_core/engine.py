@@ -25,9 +25,9 @@ from .sampler import Sampler
 from .tokenizer import StreamDecoder
 
 # tokens per step (prefill chunk): a prefill matmul dequantizes each block of weights once a step, for all its
-# tokens. 128 against 64, engines alternated in one process (5 rounds, 256-token prompt): the 1B shape 105.9 ->
-# 112.4 tok/s on one thread, 212.2 -> 221.6 on two; SmolLM2 857 -> 886 (256: 114.1 and 228.6 for twice the
-# activations' memory, whose attention scores and logits grow with it: 220 MB at 128 for the 1B at 8192 positions)
+# tokens. 128 against 64 (benchmarks/ab_decode.py --prompt-tokens 256 --set engine.STEP_TOKENS 64 128): the 1B
+# shape 108.3 -> 113.3 tok/s on one thread; 256 gained 1.5 % more for twice the activations' memory, whose
+# attention scores and logits grow with the step (224 MB at 128 for the 1B at 8192 positions; docs/benchmarks.md)
 STEP_TOKENS = 128
 PAGE = 16          # positions per KV page
 DEFAULT_CONTEXT = 8192  # KV positions reserved when the caller does not say (models may allow far more)
