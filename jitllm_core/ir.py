@@ -271,6 +271,9 @@ class Barrier(Stmt):
 
 
 # ----------------------------------------------------------------------------------------------- kernels
+WEIGHTS = "w"  # the buffer of a kernel's weights: what a step streams from memory (profiles count its bytes)
+
+
 @dataclass(frozen=True)
 class BufferParam:
     name: str
@@ -289,7 +292,7 @@ class Kernel:
         self.body: list[Stmt] = []
         self._stack = [self.body]
         self._hash = None
-        # elements of buffer "w" one launch reads, given n_tokens, where that is not the whole buffer (an
+        # elements of buffer WEIGHTS one launch reads, given n_tokens, where that is not the whole buffer (an
         # embedding's rows, a chunk of a matrix): what profiles count as its weight bytes
         self.w_read = None
         self.flops = None  # given n_tokens, the multiply-adds x 2 of a launch (a matmul's), for profiles' GFLOP/s

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from .ir import STORAGE_DTYPES
+from .ir import STORAGE_DTYPES, WEIGHTS
 from .plugin import Launch
 
 IN_SEQUENCE = "launches timed in sequence, a barrier after each"
@@ -48,7 +48,7 @@ def profile_decode(eng, prompt_tokens=32, repeats=5, step_tokens=1):
                 seconds, how = _launch_seconds(dev, [Launch(ln.kernel, ln.buffers, ln.scalars) for _, ln in bound],
                                           values, repeats)
                 for (u, ln), s in zip(bound, seconds):
-                    w = ln.kernel.buffers.get("w")  # the weights (or their dequantized copy) it reads
+                    w = ln.kernel.buffers.get(WEIGHTS)  # the weights (or their dequantized copy) it reads
                     read = ln.kernel.w_read(step_tokens) if ln.kernel.w_read else w and w.size
                     nbytes = read * STORAGE_DTYPES[w.dtype] if w else 0
                     flops = ln.kernel.flops(step_tokens) if ln.kernel.flops else 0

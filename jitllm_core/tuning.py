@@ -2,28 +2,35 @@
 
 What suits one CPU does not suit another: software prefetches of streamed weights speed every decode matvec of an
 Ice Lake and an Emerald Rapids up, and a Zen 3's 4-bit ones, while its 6-bit one streams faster without them on two
-threads (docs/benchmarks.md). So a device may
-offer candidates for such an option, and before the engine compiles a device's programs each kernel tag
-(ir.Kernel.tune_as) among them gets the fastest: the tag's largest kernel, compiled with each combination of
-candidates, runs over copies of its largest buffer that together exceed the caches (as a step streams its
-weights from memory), the candidates alternated round by round; each one's best round decides (a busy moment
-only adds time). The choice is recorded per machine, device configuration, version of the device's lowering
-(`Device.lowering`: other code, other timings) and tag (a tag's kernels share their inner loop: the first model's
-largest one speaks for them).
+threads (docs/benchmarks.md). So a device may offer candidates for such an option, and before the engine compiles a
+device's programs each kernel tag (ir.Kernel.tune_as) among them gets the fastest: the tag's largest kernel,
+compiled with each combination of candidates, runs over copies of its weights (else its largest buffer) that
+together exceed the caches (as a step streams its weights from memory), the candidates alternated round by round;
+each one's best round decides (a busy moment only adds time), and only by a margin against the default. The choice
+is recorded per machine, device configuration, version of the device's lowering (`Device.lowering`: other code,
+other timings), of this code, and tag (a tag's kernels share their inner loop: the first model's largest one
+speaks for them).
 """
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import numpy as np
 
 from . import ir
-from .cache import record, recorded, seconds
+from .cache import digest, record, recorded, seconds
 from .errors import BackendError
 from .plugin import Launch
 
 ROTATION_BYTES = 64 << 20  # the copies of a kernel's streamed buffer one measured run reads: past the caches
-ROUNDS = 5
+ROUNDS = 15  # each candidate's runs, alternated (a run streams 64 MB: 2-3 ms; a noisy moment must not decide)
+# the least a candidate's best run must beat the default's by to replace it: candidates within the noise of one
+# another (a Zen 5's R4 matvecs on two threads, 1.26-1.38 ms for all three prefetches) keep the default, which the
+# step's own measurements chose, instead of whichever a moment favoured (SmolLM2's one-thread decode 278 tok/s
+# with the R4 pick so made, 303 with the default)
+MARGIN = 0.03
+RULES = digest(Path(__file__).read_bytes())  # this code: what other code measured is measured again
 FORCED = {}  # option -> index of the candidate every tag gets whatever was measured (benchmarks/ab_decode.py)
 
 
@@ -44,7 +51,7 @@ def tune(dev, kernels, progress=None, measure=True):
             if progress:
                 progress("tuning kernels", i, len(largest))
             # one per tag (a layout's loop) on this machine, configuration and version of the lowering code
-            key = ("tuning", dev.backend, dev.describe(), dev.lowering, tag, repr(dev.tunables))
+            key = ("tuning", dev.backend, dev.describe(), dev.lowering, tag, repr(dev.tunables), RULES)
             best[tag] = recorded(key)
             if best[tag] is None and measure:
                 probes[tag] = key, _Probe(dev, k, variants)
@@ -62,11 +69,13 @@ def tune(dev, kernels, progress=None, measure=True):
 
 
 class _Probe:
-    """Kernel k compiled with each option variant, into programs that run it over copies of its largest buffer."""
+    """Kernel k compiled with each option variant, into programs that run it over copies of its weights."""
 
     def __init__(self, dev, k, variants):
         self.dev, self.k, self.bufs = dev, k, []
-        streamed = max(k.buffers, key=lambda p: _buffer_bytes(k, p))
+        # its weights (a matvec's input, sized for a step's tokens, can be larger but is read a token's worth), or
+        # else its largest buffer
+        streamed = ir.WEIGHTS if ir.WEIGHTS in k.buffers else max(k.buffers, key=lambda p: _buffer_bytes(k, p))
         copies = max(2, ROTATION_BYTES // _buffer_bytes(k, streamed))
         try:
             for p in k.buffers:
@@ -84,19 +93,26 @@ class _Probe:
             self.programs.append(dev.program(launches))
 
     def fastest(self):
-        """Index of the fastest variant: each one's best of ROUNDS runs, the variants alternated."""
+        """Index of the fastest variant (`choose`): each one's best of ROUNDS runs, the variants alternated."""
         for prog in self.programs:
             prog.run(self.k.tune_scalars)  # compiled and warm
         times = [[] for _ in self.programs]
         for _ in range(ROUNDS):
             for prog, t in zip(self.programs, times):
                 t.append(seconds(lambda: prog.run(self.k.tune_scalars)))
-        return int(np.argmin([min(t) for t in times]))
+        return choose([min(t) for t in times])
 
     def free(self):
         for _, b in self.bufs:
             self.dev.free(b)
         self.bufs = []
+
+
+def choose(best):
+    """The variant whose time (of `best`, the default's first) is least, if it beats the default's by MARGIN; else
+    the default (0)."""
+    i = int(np.argmin(best))
+    return i if best[i] < (1 - MARGIN) * best[0] else 0
 
 
 def _buffer_bytes(k, p):

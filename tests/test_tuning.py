@@ -68,6 +68,26 @@ def test_cpu_tuning_picks_a_candidate_per_tag_and_caches_it(cpu, fresh_cache, mo
     cpu.tuned.pop("matvec_R4")
 
 
+def test_a_candidate_replaces_the_default_only_when_clearly_faster():
+    """Within the noise of the default (MARGIN), the default stands; past it, the fastest candidate."""
+    assert tuning.MARGIN > 0.01 and tuning.choose([1.0, 0.99, 1.2]) == 0
+    assert tuning.choose([1.0, 1.2, 1.0 - 2 * tuning.MARGIN]) == 2
+    assert tuning.choose([1.0, 0.5, 0.4]) == 2 and tuning.choose([1.0, 1.1]) == 0
+
+
+def test_tuning_streams_the_weights_not_a_larger_input(cpu):
+    """A matvec's input digits, sized for a step's tokens, can outweigh its weights; the copies the measurement
+    rotates past the caches are of the weights, which a step streams, not of the input it reads a token's worth of."""
+    k = ops.matmul(quant.PACKED["R4"], 576, COLS, 128)
+    assert k.buffers["xq"].size > k.buffers["w"].size
+    probe = tuning._Probe(cpu, k, [{"prefetch": ()}])
+    try:
+        copies = collections.Counter(p for p, _ in probe.bufs)
+        assert copies["w"] > 1 and copies["xq"] == 1
+    finally:
+        probe.free()
+
+
 def test_tuning_without_room_keeps_the_defaults_uncached(fresh_cache):
     dev = runtime.CpuDevice("cpu:small", 1, 4 << 20)  # 4 MB: no room for the rotated copies
     tuning.tune(dev, [matvec()])
@@ -164,10 +184,14 @@ def test_claimed_chunks_stream_at_least_claim_bytes_of_weights(monkeypatch):
     """Each chunk a thread claims of a parallel loop starts a new stream, whose first lines wait on DRAM: a decode
     matvec's chunks hold at least CLAIM_BYTES of its weights -- SmolLM2's 1536 x 576 projection, 96 row groups of
     5,760 bytes, at least 23 of them a chunk (4 chunks a thread of two would be 6) -- and 1 row group where none
-    is asked."""
+    is asked. Its weights, not a larger input: the 576 x 1536 one's input digits for a step of 128 tokens (590
+    KB) outweigh its weights (553 KB), and its chunks are 9 of its 36 row groups, not 8."""
     k = ops.matmul(quant.PACKED["R4"], 1536, 576, 1)
     least = -(-lower.CLAIM_BYTES // quant.PACKED["R4"].nbytes(quant.ROWS, 576))
     assert least == 23 and selected_constants(module_text(k, ())) == {96, 23, 1}
+    wide = ops.matmul(quant.PACKED["R4"], 576, 1536, 128)
+    assert wide.buffers["xq"].size > wide.buffers["w"].size
+    assert selected_constants(module_text(wide, ())) == {36, 9, 1}
     monkeypatch.setattr(lower, "CLAIM_BYTES", 0)
     assert selected_constants(module_text(k, ())) == {96, 1}
 

@@ -51,7 +51,7 @@ PREFETCH_L2 = ((4096, 3), (16384, 1))
 PREFETCH_MIN = 32 << 10
 STEP_PART = 64  # launches per function of a program's step
 CLAIMS = 4  # chunks per thread of a parallel loop's claimed half
-# the least a claimed chunk streams of a loop's weights (read-only byte buffers): a chunk starts a new stream, whose
+# the least a claimed chunk streams of a loop's weights (its ir.WEIGHTS buffer): a chunk starts a new stream, whose
 # first lines wait on DRAM before its prefetches run ahead. SmolLM2's matvecs (its chunks were 35 KB) on a Zen 5's
 # two threads: decode 315 -> 346 / 355 / 338 tok/s at 64 / 128 / 256 KB; the 1B's (chunks of 605 KB) unchanged.
 # Never more than a thread's even part of the claimed half (a prefill matmul's few slices: uncapped, SmolLM2's
@@ -302,13 +302,13 @@ class KernelLowering:
         b.position_at_end(done)
 
     def streamed_iterations(self, s, nbytes):
-        """Iterations of parallel loop s that read nbytes of its kernel's weights (its largest read-only byte
-        buffer, spread evenly over a constant extent), at least 1 and at most all of them; 1 where there is none."""
-        weights = [p.size for p in self.k.buffers.values() if p.dtype == "u8" and not p.write]
+        """Iterations of parallel loop s that read nbytes of its kernel's weights (ir.WEIGHTS as packed bytes,
+        spread evenly over a constant extent), at least 1 and at most all of them; 1 where there are none."""
+        w = self.k.buffers.get(ir.WEIGHTS)
         ext = s.extent.value if isinstance(s.extent, ir.Const) else None
-        if not weights or not ext:
+        if not w or w.dtype != "u8" or w.write or not ext:
             return 1
-        return max(1, min(ext, -(-nbytes * ext // max(weights))))
+        return max(1, min(ext, -(-nbytes * ext // w.size)))
 
     def block(self, body, bind):
         saved = dict(self.env)
