@@ -26,9 +26,8 @@ from .plugin import Launch
 ROTATION_BYTES = 64 << 20  # the copies of a kernel's streamed buffer one measured run reads: past the caches
 ROUNDS = 15  # each candidate's runs, alternated (a run streams 64 MB: 2-3 ms; a noisy moment must not decide)
 # the least a candidate's best run must beat the default's by to replace it: candidates within the noise of one
-# another (a Zen 5's R4 matvecs on two threads, 1.26-1.38 ms for all three prefetches) keep the default, which the
-# step's own measurements chose, instead of whichever a moment favoured (SmolLM2's one-thread decode 278 tok/s
-# with the R4 pick so made, 303 with the default)
+# another (a Zen 5's R4 matvecs on two threads: 1.26-1.38 ms for all three prefetches, their order changing from
+# one measurement to the next) keep the default, chosen by measuring whole steps (docs/benchmarks.md)
 MARGIN = 0.03
 RULES = digest(Path(__file__).read_bytes())  # this code: what other code measured is measured again
 FORCED = {}  # option -> index of the candidate every tag gets whatever was measured (benchmarks/ab_decode.py)
@@ -50,7 +49,8 @@ def tune(dev, kernels, progress=None, measure=True):
         for i, (tag, k) in enumerate(sorted(largest.items())):
             if progress:
                 progress("tuning kernels", i, len(largest))
-            # one per tag (a layout's loop) on this machine, configuration and version of the lowering code
+            # one per tag (a layout's loop) on this machine, configuration and version of the lowering code and
+            # of this code
             key = ("tuning", dev.backend, dev.describe(), dev.lowering, tag, repr(dev.tunables), RULES)
             best[tag] = recorded(key)
             if best[tag] is None and measure:
