@@ -362,7 +362,7 @@ def cmd_bench(args) -> int:
         for threads in args.threads:
             eng = Engine(model=args.model, devices=args.device, threads=threads, kv_dtype=args.kv_dtype,
                          activations=args.activations)
-            for tokens, what in ((1, "decode step"), (64, "prefill step of 64 tokens")):
+            for tokens, what in ((1, "decode step"), (eng.model.T, f"prefill step of {eng.model.T} tokens")):
                 print(f"\nprofile: {what}, {threads} thread(s)")
                 print_profile(*profile_decode(eng, step_tokens=tokens))
             eng.close()
