@@ -16,8 +16,8 @@ recognized in the IR rather than written per format: a little-endian field assem
 float of a function of 4 bits is one table lookup (vpermps), addresses keep each index term's offset visible, and a
 sum of `dot4`s accumulates each into the sum so far (VNNI's vpdpbusd; where the CPU has no VNNI and the bytes are
 provably small, pmaddubsw's pair sums add up as i16 as far as their bound allows, then widen once). Weights streamed
-from memory are prefetched a few KB ahead (into L1) and further (into L2), once per cache line, where the device's
-tuning keeps it (CpuDevice.tunables).
+from memory are prefetched a few KB ahead (into L1) and further (non-temporally), once per cache line, where the
+device's tuning keeps it (CpuDevice.tunables).
 A program module adds `step(ptr bufs, ptr scalars, tid, nth, barrier, counters)` that calls every launch's kernel in
 order (through functions of STEP_PART launches each) with a barrier after each that a later launch depends on.
 """
@@ -36,8 +36,8 @@ UNROLL_MAX = 64
 UNROLL_ACCS = 4  # vector accumulators of a long reduction
 JAM = 2  # vectors of lanes per iteration of a vector loop that holds reduces (register tiles)
 LANE_BLOCK = 256  # iterations of a reduce across lanes summed before joining its total
-# bytes ahead that contiguous loads of large read-only byte buffers prefetch (quantized weights stream from DRAM;
-# smaller buffers, and f32 tiles reused from cache, are left alone), and how (LLVM's locality: 3 into all cache
+# bytes ahead that contiguous loads of a kernel's packed weights prefetch (they stream from DRAM; other buffers,
+# and f32 tiles reused from cache, are left alone), and how (LLVM's locality: 3 into all cache
 # levels, 1 into L2 and out, 0 non-temporal: x86's prefetchnta). Measured on a Zen 5, engines alternated in one
 # process: the far prefetch non-temporal at 10 KB against into L2 at 16 KB, one thread's 1B decode 38.0 -> 46.6
 # tok/s, SmolLM2's 306 -> 327 (two threads 334 -> 381); into L2 at 6-12 KB, or non-temporal alone, in between
@@ -304,11 +304,17 @@ class KernelLowering:
     def streamed_iterations(self, s, nbytes):
         """Iterations of parallel loop s that read nbytes of its kernel's weights (ir.WEIGHTS as packed bytes,
         spread evenly over a constant extent), at least 1 and at most all of them; 1 where there are none."""
-        w = self.k.buffers.get(ir.WEIGHTS)
+        w = self.streamed_weights()
         ext = s.extent.value if isinstance(s.extent, ir.Const) else None
-        if not w or w.dtype != "u8" or w.write or not ext:
+        if not w or not ext:
             return 1
         return max(1, min(ext, -(-nbytes * ext // w.size)))
+
+    def streamed_weights(self):
+        """The kernel's weights (ir.WEIGHTS) where they are packed bytes it only reads, which a step streams from
+        DRAM; else None (f32 weights are a norm's few, or a dequantized copy reused from cache)."""
+        w = self.k.buffers.get(ir.WEIGHTS)
+        return w if w and w.dtype == "u8" and not w.write else None
 
     def block(self, body, bind):
         saved = dict(self.env)
@@ -840,12 +846,12 @@ class KernelLowering:
 
     def prefetch_ahead(self, buf, ptr, index, venv, lane_bytes):
         """Prefetch the kernel's distances (PREFETCH unless tuned) past ptr (element `index` of buf, lanes
-        `lane_bytes` apart) when buf is a large read-only byte buffer (weights streamed from DRAM), once per cache
-        line in a body, whichever vector of lanes or unrolled iteration loads from it first: a quantized dot
-        reads each word for every digit of the input, a line holds the words of several vectors or iterations,
-        and prefetches take load slots."""
-        p = self.k.buffers[buf]
-        if not self.prefetches or p.write or p.dtype != "u8" or p.size < PREFETCH_MIN:
+        `lane_bytes` apart) when buf is the kernel's streamed weights (`streamed_weights`) of PREFETCH_MIN bytes or
+        more, once per cache line in a body, whichever vector of lanes or unrolled iteration loads from it first: a
+        quantized dot reads each word for every digit of the input, a line holds the words of several vectors or
+        iterations, and prefetches take load slots."""
+        w = self.streamed_weights()
+        if not self.prefetches or buf != ir.WEIGHTS or not w or w.size < PREFETCH_MIN:
             return
         done = self.memo.setdefault(PREFETCHED, set())
         first = venv[LANE0].val.constant if LANE0 in venv else 0
