@@ -3,8 +3,8 @@
 What suits one CPU does not suit another: software prefetches of streamed weights speed every decode matvec of an
 Ice Lake and an Emerald Rapids up, and a Zen 3's 4-bit ones, while its 6-bit one streams faster without them on two
 threads (docs/benchmarks.md). So a device may offer candidates for such an option, and before the engine compiles a
-device's programs each kernel tag (ir.Kernel.tune_as) among them gets the fastest: the tag's largest kernel,
-compiled with each combination of candidates, runs over copies of its weights (else its largest buffer) that
+device's programs each kernel tag (ir.Kernel.tune_as) among them gets the fastest: the tag's kernel with the most
+weights, compiled with each combination of candidates, runs over copies of its weights (else its largest buffer) that
 together exceed the caches (as a step streams its weights from memory), the candidates alternated round by round;
 each one's best round decides (a busy moment only adds time), and only by a margin against the default. The choice
 is recorded per machine, device configuration, version of the device's lowering (`Device.lowering`: other code,
@@ -40,7 +40,7 @@ def tune(dev, kernels, progress=None, measure=True):
         return
     largest = {}
     for k in kernels:
-        if k.tune_tag and _nbytes(k) > _nbytes(largest.get(k.tune_tag)):
+        if k.tune_tag and _streamed_bytes(k) > _streamed_bytes(largest.get(k.tune_tag)):
             largest[k.tune_tag] = k
     names = list(dev.tunables)
     variants = [dict(zip(names, c)) for c in itertools.product(*dev.tunables.values())]
@@ -73,9 +73,7 @@ class _Probe:
 
     def __init__(self, dev, k, variants):
         self.dev, self.k, self.bufs = dev, k, []
-        # its weights (a matvec's input, sized for a step's tokens, can be larger but is read a token's worth), or
-        # else its largest buffer
-        streamed = ir.WEIGHTS if ir.WEIGHTS in k.buffers else max(k.buffers, key=lambda p: _buffer_bytes(k, p))
+        streamed = _streamed(k)
         copies = max(2, ROTATION_BYTES // _buffer_bytes(k, streamed))
         try:
             for p in k.buffers:
@@ -120,8 +118,14 @@ def _buffer_bytes(k, p):
     return b.size * ir.STORAGE_DTYPES[b.dtype]
 
 
-def _nbytes(k):
-    return sum(_buffer_bytes(k, p) for p in k.buffers) if k else 0
+def _streamed(k):
+    """The buffer of k a step streams from memory: its weights (a matvec's input, sized for a step's tokens, can be
+    larger but is read a token's worth at a time), or else its largest."""
+    return ir.WEIGHTS if ir.WEIGHTS in k.buffers else max(k.buffers, key=lambda p: _buffer_bytes(k, p))
+
+
+def _streamed_bytes(k):
+    return _buffer_bytes(k, _streamed(k)) if k else 0
 
 
 def _filler(b):

@@ -49,8 +49,9 @@ def test_cpu_tuning_picks_a_candidate_per_tag_and_caches_it(cpu, fresh_cache, mo
         probed.append(kernel)
         probe(self, dev, kernel, variants)
     monkeypatch.setattr(tuning._Probe, "__init__", spy)
-    tuning.tune(cpu, [ops.matmul(quant.PACKED["R4"], 16, COLS, 4), k])
-    assert probed == [k]  # the tag's largest kernel speaks for it
+    # a step of 128 tokens: the 16-row kernel's input and digits outweigh k's whole, its weights do not
+    tuning.tune(cpu, [ops.matmul(quant.PACKED["R4"], 16, COLS, 128), k])
+    assert probed == [k]  # the tag's kernel with the most weights speaks for it
     assert cpu.tuned["matvec_R4"]["prefetch"] in cpu.tunables["prefetch"]
     assert len(list((fresh_cache / "measure").glob("*.json"))) == 1
     chosen = cpu.tuned.pop("matvec_R4")
