@@ -198,6 +198,9 @@ class LaunchTemplate:
     scalars: dict = field(default_factory=dict)
 
 
+# scalars of a launch that computes every token of the step, not only those from the step's t0 (the first whose
+# output is wanted: the last of a prompt's last chunk, none of its other chunks', the first of a scored sequence)
+EVERY_TOKEN = {"t0": "zero"}
 PREFILL_CHUNK_COLS = 2048
 WIDE_THREADS = 1024
 
@@ -338,13 +341,14 @@ class Llama:
         return prefill and interleave and rows % ROWS == 0 and not (fmt.digits and self.digits == quant.INT8)
 
     def _mm(self, name, x, y, rows, cols, acc=False, bias=None, logits=False, prefill=False, interleave=True,
-            groups=ops.GEMM_GROUPS):
-        """Matmul launches; only the LM head starts at the step's `t0`, layers need every token. Through the
+            groups=ops.GEMM_GROUPS, wanted=False):
+        """Matmul launches, from the step's `t0` where only the wanted tokens' outputs are (`wanted`: the LM head's
+        and the last layer's after its attention), else for every token. Through the
         prefill matmul (`_prefill_matmul`, its tile `groups` row groups), the weights are dequantized to f32 once
         and reused by every token of the step."""
         fmt = self.fmt(name, (rows, cols), interleave)
         bufs = {"y": f"a:{y}", **({"b": f"w:{bias}"} if bias else {})}
-        scalars = {} if logits else {"t0": "zero"}
+        scalars = {} if logits or wanted else EVERY_TOKEN
         if not self._prefill_matmul(fmt, rows, prefill, interleave):
             digits = {"xq": "a:xq", "xd": "a:xd", "xs": "a:xs"} if fmt.digits else {}
             # a prefill step's int8 dots (the dot4 layouts') in tiles of tokens (the LM head's one token needs none)
@@ -391,8 +395,14 @@ class Llama:
         mm = functools.partial(self._mm, prefill=prefill, interleave=interleave, groups=groups)
         inputs = lambda x, cols, *names: self._inputs(x, cols, unit, [p + n + ".weight" for n in names], prefill,
                                                       interleave)
+        # the last layer's outputs after its attention feed only the LM head: from t0 (its keys and values, every
+        # token's, go to the cache before), as llama.cpp's graph keeps only the output rows there
+        last = unit == c.n_layer - 1
+        after = {} if last else EVERY_TOKEN
+        mm_after = functools.partial(mm, wanted=last)
         return [
-            LaunchTemplate(ops.rmsnorm(c.dim, T, c.eps), {"x": "a:x", "w": f"w:{p}attn_norm.weight", "out": "a:xn"}),
+            LaunchTemplate(ops.rmsnorm(c.dim, T, c.eps), {"x": "a:x", "w": f"w:{p}attn_norm.weight", "out": "a:xn"},
+                           EVERY_TOKEN),
             *inputs("xn", c.dim, "attn_q", "attn_k", "attn_v"),
             *mm(p + "attn_q.weight", "xn", "q", q, c.dim, bias=b("attn_q")),
             *mm(p + "attn_k.weight", "xn", "k", kv, c.dim, bias=b("attn_k")),
@@ -401,16 +411,17 @@ class Llama:
             LaunchTemplate(ops.rope(c.n_kv, c.head_dim, T), {"q": "a:k", "freq": "c:rope_freqs"}),
             LaunchTemplate(ops.kv_store(c.n_kv, c.head_dim, T, **cache), {"k": "a:k", "v": "a:v", **kvb}),
             LaunchTemplate(ops.attention(c.n_head, c.n_kv, c.head_dim, T, **cache, wide=not interleave),
-                           {"q": "a:q", "s": "a:scores", "out": "a:att", **kvb}),
+                           {"q": "a:q", "s": "a:scores", "out": "a:att", **kvb}, after),
             *inputs("att", q, "attn_output"),
-            *mm(p + "attn_output.weight", "att", "x", c.dim, q, acc=True),
-            LaunchTemplate(ops.rmsnorm(c.dim, T, c.eps), {"x": "a:x", "w": f"w:{p}ffn_norm.weight", "out": "a:xn"}),
+            *mm_after(p + "attn_output.weight", "att", "x", c.dim, q, acc=True),
+            LaunchTemplate(ops.rmsnorm(c.dim, T, c.eps), {"x": "a:x", "w": f"w:{p}ffn_norm.weight", "out": "a:xn"},
+                           after),
             *inputs("xn", c.dim, "ffn_gate", "ffn_up"),
-            *mm(p + "ffn_gate.weight", "xn", "g", c.ffn, c.dim),
-            *mm(p + "ffn_up.weight", "xn", "u", c.ffn, c.dim),
-            LaunchTemplate(ops.silu_mul(c.ffn, T), {"g": "a:g", "u": "a:u", "h": "a:h"}),
+            *mm_after(p + "ffn_gate.weight", "xn", "g", c.ffn, c.dim),
+            *mm_after(p + "ffn_up.weight", "xn", "u", c.ffn, c.dim),
+            LaunchTemplate(ops.silu_mul(c.ffn, T), {"g": "a:g", "u": "a:u", "h": "a:h"}, after),
             *inputs("h", c.ffn, "ffn_down"),
-            *mm(p + "ffn_down.weight", "h", "x", c.dim, c.ffn, acc=True),
+            *mm_after(p + "ffn_down.weight", "h", "x", c.dim, c.ffn, acc=True),
         ]
 
     def page_bytes(self):

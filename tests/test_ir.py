@@ -111,7 +111,7 @@ def op_examples():
     T, page, n_pages = 3, 4, 6
     return {
         "embed": (ops.embed(quant.FORMATS["Q8_0"], 5, 64, T), {"n_tokens": 2}),
-        "rmsnorm": (ops.rmsnorm(64, T, 1e-5), {"n_tokens": 3}),
+        "rmsnorm": (ops.rmsnorm(64, T, 1e-5), {"n_tokens": 3, "t0": 1}),
         "matmul_q4_1": (ops.matmul(quant.FORMATS["Q4_1"], 5, 64, T, accumulate=True, bias=True), {"n_tokens": 3, "t0": 1}),
         "matmul_q4_k": (ops.matmul(quant.FORMATS["Q4_K"], 3, 256, T), {"n_tokens": 2, "t0": 0}),
         "matmul_q6_k": (ops.matmul(quant.FORMATS["Q6_K"], 3, 256, T), {"n_tokens": 2, "t0": 0}),
@@ -131,11 +131,11 @@ def op_examples():
         "dequant": (quant.dequant_kernel(quant.FORMATS["Q4_1"], 8, 64), {}),
         "rope": (ops.rope(3, 8, T), {"pos": 5, "n_tokens": 3}),
         "kv_store_f16": (ops.kv_store(2, 8, T, page, n_pages, n_pages, "f16"), {"pos": 5, "n_tokens": 3}),
-        "attention_f32": (ops.attention(4, 2, 8, T, page, n_pages, n_pages, "f32"), {"pos": 5, "n_tokens": 3}),
-        "attention_f16": (ops.attention(4, 2, 8, T, page, n_pages, n_pages, "f16"), {"pos": 2, "n_tokens": 2}),
+        "attention_f32": (ops.attention(4, 2, 8, T, page, n_pages, n_pages, "f32"), {"pos": 5, "n_tokens": 3, "t0": 1}),
+        "attention_f16": (ops.attention(4, 2, 8, T, page, n_pages, n_pages, "f16"), {"pos": 2, "n_tokens": 2, "t0": 0}),
         "attention_wide": (ops.attention(4, 2, 8, T, page, n_pages, n_pages, "f16", wide=True),
-                           {"pos": 5, "n_tokens": 3}),
-        "silu_mul": (ops.silu_mul(16, T), {"n_tokens": 2}),
+                           {"pos": 5, "n_tokens": 3, "t0": 2}),
+        "silu_mul": (ops.silu_mul(16, T), {"n_tokens": 2, "t0": 1}),
     }
 
 
@@ -168,7 +168,7 @@ def test_prefill_matmul_refuses_rows_that_are_not_whole_groups():
 def test_wide_attention_is_the_same_op():
     """The form for devices of many threads (every position at once, a head an iteration) computes what the paged
     form (the 3 heads that share a KV head an iteration) does."""
-    page, n_pages, scalars = 4, 6, {"pos": 9, "n_tokens": 3}
+    page, n_pages, scalars = 4, 6, {"pos": 9, "n_tokens": 3, "t0": 0}
     paged, wide = (ops.attention(6, 2, 8, 3, page, n_pages, n_pages, "f32", wide=w) for w in (False, True))
     bufs = op_inputs(paged)
     want = interp.run(paged, {b: v.copy() for b, v in bufs.items()}, scalars)["out"]
@@ -187,7 +187,7 @@ def test_cpu_attention_ignores_pool_positions_past_the_keys(cpu, wide):
     idx = np.arange(bufs["kc"].size)
     k_pos = where[idx // (n_kv * hd * page)] * page + idx % page                 # K pages [n_kv, hd, page]
     v_pos = where[idx // (page * n_kv * hd)] * page + idx // (n_kv * hd) % page  # V pages [page, n_kv, hd]
-    scalars = {"pos": pos, "n_tokens": n}
+    scalars = {"pos": pos, "n_tokens": n, "t0": 0}
     want = interp.run(k, {b: v.copy() for b, v in bufs.items()}, scalars)["out"]
     bufs["kc"][k_pos >= pos + n] = np.nan
     bufs["vc"][v_pos >= pos + n] = np.nan

@@ -56,6 +56,31 @@ def test_prefill_in_column_chunks_matches_transformers(cpu, default_model, monke
         eng.close()
 
 
+def test_generation_logits_from_the_wanted_tokens_match_transformers(engines, default_model):
+    """A generation's prompt computes the last layer after its attention only for the tokens whose logits are
+    wanted (none of a first chunk's, the last token of the last chunk's): the logits it samples from, and the
+    decode steps after it (whose last layer attends to every prompt position's keys and values), are
+    transformers'."""
+    eng = engines["f32"]
+    ids = (eng.tokenizer.encode(PROMPTS[0]) * 8)[:eng.model.T + 12]  # two chunks
+    rows = []
+
+    def greedy(logits):
+        rows.append(logits.copy())
+        return int(np.argmax(logits))
+    for _ in eng._generate(ids, 3, greedy, [], True):
+        pass
+    out = eng.last.token_ids
+    want = reference_logits(default_model, ids + out)[len(ids) - 1:]
+    assert len(rows) == 3 and np.abs(np.stack(rows) - want[:3]).max() <= 1e-3
+    # which launches start at the step's t0: the last layer's from its attention on, no other layer's
+    m = eng.model
+    from_t0 = lambda unit: [lt.kernel.name.split("_")[0] for lt in m.unit_launches(unit, prefill=True)
+                            if "t0" in lt.kernel.scalars and "t0" not in lt.scalars]
+    assert from_t0(0) == []
+    assert from_t0(m.cfg.n_layer - 1) == ["attn", "gemm", "rmsnorm", "gemm", "gemm", "silu", "gemm"]
+
+
 def test_int8_activations_trade_accuracy_for_speed(cpu, default_model):
     """The optional int8 inputs (as llama.cpp's): logits about 1 off transformers' (the exact mode: 1e-4), the
     next token mostly the same; prefill (through the same integer matmuls) and decode steps agree."""
