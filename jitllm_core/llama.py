@@ -379,13 +379,14 @@ class Llama:
         """The unit's launches for a decode step, or (prefill=True) for a step of many tokens, in the schedule
         `interleaves` chooses for the device (and with the prefill matmul's tile of `ops.tile_groups`)."""
         c, T = self.cfg, self.T
+        norm = ops.rmsnorm(c.dim, T, c.eps, not interleave)
         if unit == "embed":
             fmt = self.fmt("token_embd.weight", (c.vocab, c.dim), interleave)
             return [LaunchTemplate(ops.embed(fmt, c.vocab, c.dim, T),
                                    {"tok": "a:tok", "w": "w:token_embd.weight", "x": "a:x"})]
         if unit == "head":
             # the LM head is a decode matmul in every step (only the step's last tokens are wanted)
-            return [LaunchTemplate(ops.rmsnorm(c.dim, T, c.eps), {"x": "a:x", "w": "w:output_norm.weight", "out": "a:xn"}),
+            return [LaunchTemplate(norm, {"x": "a:x", "w": "w:output_norm.weight", "out": "a:xn"}),
                     *self._inputs("xn", c.dim, unit, [self.head_tensor], interleave=interleave),
                     *self._mm(self.head_tensor, "xn", "logits", c.vocab, c.dim, logits=True, interleave=interleave)]
         p, q, kv = f"blk.{unit}.", c.n_head * c.head_dim, c.n_kv * c.head_dim
@@ -401,7 +402,7 @@ class Llama:
         after = {} if last else EVERY_TOKEN
         mm_after = functools.partial(mm, wanted=last)
         return [
-            LaunchTemplate(ops.rmsnorm(c.dim, T, c.eps), {"x": "a:x", "w": f"w:{p}attn_norm.weight", "out": "a:xn"},
+            LaunchTemplate(norm, {"x": "a:x", "w": f"w:{p}attn_norm.weight", "out": "a:xn"},
                            EVERY_TOKEN),
             *inputs("xn", c.dim, "attn_q", "attn_k", "attn_v"),
             *mm(p + "attn_q.weight", "xn", "q", q, c.dim, bias=b("attn_q")),
@@ -414,7 +415,7 @@ class Llama:
                            {"q": "a:q", "s": "a:scores", "out": "a:att", **kvb}, after),
             *inputs("att", q, "attn_output"),
             *mm_after(p + "attn_output.weight", "att", "x", c.dim, q, acc=True),
-            LaunchTemplate(ops.rmsnorm(c.dim, T, c.eps), {"x": "a:x", "w": f"w:{p}ffn_norm.weight", "out": "a:xn"},
+            LaunchTemplate(norm, {"x": "a:x", "w": f"w:{p}ffn_norm.weight", "out": "a:xn"},
                            after),
             *inputs("xn", c.dim, "ffn_gate", "ffn_up"),
             *mm_after(p + "ffn_gate.weight", "xn", "g", c.ffn, c.dim),

@@ -112,6 +112,7 @@ def op_examples():
     return {
         "embed": (ops.embed(quant.FORMATS["Q8_0"], 5, 64, T), {"n_tokens": 2}),
         "rmsnorm": (ops.rmsnorm(64, T, 1e-5), {"n_tokens": 3, "t0": 1}),
+        "rmsnorm_wide": (ops.rmsnorm(64, T, 1e-5, wide=True), {"n_tokens": 3, "t0": 1}),
         "matmul_q4_1": (ops.matmul(quant.FORMATS["Q4_1"], 5, 64, T, accumulate=True, bias=True), {"n_tokens": 3, "t0": 1}),
         "matmul_q4_k": (ops.matmul(quant.FORMATS["Q4_K"], 3, 256, T), {"n_tokens": 2, "t0": 0}),
         "matmul_q6_k": (ops.matmul(quant.FORMATS["Q6_K"], 3, 256, T), {"n_tokens": 2, "t0": 0}),
@@ -131,6 +132,8 @@ def op_examples():
         "dequant": (quant.dequant_kernel(quant.FORMATS["Q4_1"], 8, 64), {}),
         "rope": (ops.rope(3, 8, T), {"pos": 5, "n_tokens": 3}),
         "kv_store_f16": (ops.kv_store(2, 8, T, page, n_pages, n_pages, "f16"), {"pos": 5, "n_tokens": 3}),
+        # positions 3-5: the end of one page and the start of the next
+        "kv_store_f32_two_pages": (ops.kv_store(2, 8, T, page, n_pages, n_pages, "f32"), {"pos": 3, "n_tokens": 3}),
         "attention_f32": (ops.attention(4, 2, 8, T, page, n_pages, n_pages, "f32"), {"pos": 5, "n_tokens": 3, "t0": 1}),
         "attention_f16": (ops.attention(4, 2, 8, T, page, n_pages, n_pages, "f16"), {"pos": 2, "n_tokens": 2, "t0": 0}),
         "attention_wide": (ops.attention(4, 2, 8, T, page, n_pages, n_pages, "f16", wide=True),
@@ -193,6 +196,22 @@ def test_cpu_attention_ignores_pool_positions_past_the_keys(cpu, wide):
     bufs["vc"][v_pos >= pos + n] = np.nan
     got = run_on_device(cpu, k, bufs, scalars)["out"]
     np.testing.assert_allclose(got[:n * n_head * hd], want[:n * n_head * hd], rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_prefill_rmsnorm_sums_each_token_in_order(cpu):
+    """A prefill step's rmsnorm (its tokens' sums of squares a lane each) gives, bit for bit, what the decode
+    step's (one token's sum alone, in order) gives for each token: the lanes sum in the same order."""
+    dim, T, n, t0 = 2048, 20, 19, 1
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((T, dim)) * rng.uniform(0.01, 100, (T, 1))).astype(np.float32)
+    w = rng.standard_normal(dim).astype(np.float32)
+    out = np.zeros(T * dim, np.float32)
+    got = run_on_device(cpu, ops.rmsnorm(dim, T, 1e-5), {"x": x.ravel(), "w": w, "out": out},
+                        {"n_tokens": n, "t0": t0})["out"].reshape(T, dim)
+    for t in range(t0, n):
+        one = run_on_device(cpu, ops.rmsnorm(dim, 1, 1e-5), {"x": x[t], "w": w, "out": out[:dim]},
+                            {"n_tokens": 1, "t0": 0})["out"]
+        assert np.array_equal(got[t], one), t
 
 
 @pytest.mark.parametrize("op", sorted(op_examples()))

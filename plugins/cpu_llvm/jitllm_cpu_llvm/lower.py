@@ -981,10 +981,11 @@ class KernelLowering:
     def lane_reduces(self, reds, venvs):
         """Reduces over one uniform loop, each lane accumulating its own value: a scalar loop with one vector
         accumulator per reduce and vector of lanes (outer-loop vectorization). Returns, per venv, the values.
-        Sums run in blocks of LANE_BLOCK iterations added into totals: a long serial sum would lose accuracy."""
+        Sums run in blocks of LANE_BLOCK iterations added into totals (a long sum in one chain would lose
+        accuracy), but for the "serial" kind, which each lane sums in order, as one thread would alone."""
         first = reds[0]
         dt, ext = first.value.dtype, first.extent.value
-        blk = LANE_BLOCK if first.op == "add" and ext % LANE_BLOCK == 0 else ext
+        blk = LANE_BLOCK if first.op == "add" and first.kind != "serial" and ext % LANE_BLOCK == 0 else ext
         accs = [[self.vector_accumulators(first.op, dt)[0] for _ in reds] for _ in venvs]
         totals = [[self.vector_accumulators(first.op, dt)[0] for _ in reds] for _ in venvs]
 
