@@ -342,8 +342,8 @@ class Llama:
 
     def _mm(self, name, x, y, rows, cols, acc=False, bias=None, logits=False, prefill=False, interleave=True,
             groups=ops.GEMM_GROUPS, wanted=False):
-        """Matmul launches, from the step's `t0` where only the wanted tokens' outputs are (`wanted`: the LM head's
-        and the last layer's after its attention), else for every token. Through the
+        """Matmul launches, from the step's `t0` where only the wanted tokens' outputs are (`wanted`: the LM head's,
+        the last layer's queries and those after its attention), else for every token. Through the
         prefill matmul (`_prefill_matmul`, its tile `groups` row groups), the weights are dequantized to f32 once
         and reused by every token of the step."""
         fmt = self.fmt(name, (rows, cols), interleave)
@@ -396,33 +396,32 @@ class Llama:
         mm = functools.partial(self._mm, prefill=prefill, interleave=interleave, groups=groups)
         inputs = lambda x, cols, *names: self._inputs(x, cols, unit, [p + n + ".weight" for n in names], prefill,
                                                       interleave)
-        # the last layer's outputs after its attention feed only the LM head: from t0 (its keys and values, every
-        # token's, go to the cache before), as llama.cpp's graph keeps only the output rows there
+        # the last layer's queries and what follows its attention feed only the LM head: from t0 (its keys and
+        # values, every token's, go to the cache), as llama.cpp's graph keeps only the output rows there
         last = unit == c.n_layer - 1
-        after = {} if last else EVERY_TOKEN
-        mm_after = functools.partial(mm, wanted=last)
+        only_wanted = {} if last else EVERY_TOKEN
+        mm_wanted = functools.partial(mm, wanted=last)
         return [
-            LaunchTemplate(norm, {"x": "a:x", "w": f"w:{p}attn_norm.weight", "out": "a:xn"},
-                           EVERY_TOKEN),
+            LaunchTemplate(norm, {"x": "a:x", "w": f"w:{p}attn_norm.weight", "out": "a:xn"}, EVERY_TOKEN),
             *inputs("xn", c.dim, "attn_q", "attn_k", "attn_v"),
-            *mm(p + "attn_q.weight", "xn", "q", q, c.dim, bias=b("attn_q")),
+            *mm_wanted(p + "attn_q.weight", "xn", "q", q, c.dim, bias=b("attn_q")),
             *mm(p + "attn_k.weight", "xn", "k", kv, c.dim, bias=b("attn_k")),
             *mm(p + "attn_v.weight", "xn", "v", kv, c.dim, bias=b("attn_v")),
-            LaunchTemplate(ops.rope(c.n_head, c.head_dim, T), {"q": "a:q", "freq": "c:rope_freqs"}),
-            LaunchTemplate(ops.rope(c.n_kv, c.head_dim, T), {"q": "a:k", "freq": "c:rope_freqs"}),
+            LaunchTemplate(ops.rope(c.n_head, c.head_dim, T), {"q": "a:q", "freq": "c:rope_freqs"}, only_wanted),
+            LaunchTemplate(ops.rope(c.n_kv, c.head_dim, T), {"q": "a:k", "freq": "c:rope_freqs"}, EVERY_TOKEN),
             LaunchTemplate(ops.kv_store(c.n_kv, c.head_dim, T, **cache), {"k": "a:k", "v": "a:v", **kvb}),
             LaunchTemplate(ops.attention(c.n_head, c.n_kv, c.head_dim, T, **cache, wide=not interleave),
-                           {"q": "a:q", "s": "a:scores", "out": "a:att", **kvb}, after),
+                           {"q": "a:q", "s": "a:scores", "out": "a:att", **kvb}, only_wanted),
             *inputs("att", q, "attn_output"),
-            *mm_after(p + "attn_output.weight", "att", "x", c.dim, q, acc=True),
+            *mm_wanted(p + "attn_output.weight", "att", "x", c.dim, q, acc=True),
             LaunchTemplate(norm, {"x": "a:x", "w": f"w:{p}ffn_norm.weight", "out": "a:xn"},
-                           after),
+                           only_wanted),
             *inputs("xn", c.dim, "ffn_gate", "ffn_up"),
-            *mm_after(p + "ffn_gate.weight", "xn", "g", c.ffn, c.dim),
-            *mm_after(p + "ffn_up.weight", "xn", "u", c.ffn, c.dim),
-            LaunchTemplate(ops.silu_mul(c.ffn, T), {"g": "a:g", "u": "a:u", "h": "a:h"}, after),
+            *mm_wanted(p + "ffn_gate.weight", "xn", "g", c.ffn, c.dim),
+            *mm_wanted(p + "ffn_up.weight", "xn", "u", c.ffn, c.dim),
+            LaunchTemplate(ops.silu_mul(c.ffn, T), {"g": "a:g", "u": "a:u", "h": "a:h"}, only_wanted),
             *inputs("h", c.ffn, "ffn_down"),
-            *mm_after(p + "ffn_down.weight", "h", "x", c.dim, c.ffn, acc=True),
+            *mm_wanted(p + "ffn_down.weight", "h", "x", c.dim, c.ffn, acc=True),
         ]
 
     def page_bytes(self):

@@ -303,9 +303,9 @@ def rope(n_heads: int, head_dim: int, T: int) -> ir.Kernel:
     half = head_dim // 2
     k = ir.Kernel(f"rope_{n_heads}x{head_dim}_T{T}")
     k.buffer("q", "f32", T * n_heads * head_dim, True), k.buffer("freq", "f32", half)
-    pos, n = k.scalar("pos"), k.scalar("n_tokens")
-    with k.parallel("ti", n * half) as ti:
-        t, i = ti // half, ti % half
+    pos, n, t0 = k.scalar("pos"), k.scalar("n_tokens"), k.scalar("t0")
+    with k.parallel("ti", (n - t0) * half) as ti:  # tokens from t0, the first whose output is wanted
+        t, i = t0 + ti // half, ti % half
         ang = k.let("ang", F(pos + t) * k.load("freq", i))
         c, s = k.let("c", ir.cos(ang)), k.let("s", ir.sin(ang))
         with k.loop("h", n_heads, "serial") as h:

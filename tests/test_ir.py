@@ -130,7 +130,7 @@ def op_examples():
         "prefill_matmul_chunk_cols": (ops.prefill_matmul(quant.FORMATS["Q4_1"], 16, 96, 8, accumulate=True,
                                                          chunk_cols=32), {"n_tokens": 7, "t0": 1, "col0": 64}),
         "dequant": (quant.dequant_kernel(quant.FORMATS["Q4_1"], 8, 64), {}),
-        "rope": (ops.rope(3, 8, T), {"pos": 5, "n_tokens": 3}),
+        "rope": (ops.rope(3, 8, T), {"pos": 5, "n_tokens": 3, "t0": 1}),
         "kv_store_f16": (ops.kv_store(2, 8, T, page, n_pages, n_pages, "f16"), {"pos": 5, "n_tokens": 3}),
         # positions 3-5: the end of one page and the start of the next
         "kv_store_f32_two_pages": (ops.kv_store(2, 8, T, page, n_pages, n_pages, "f32"), {"pos": 3, "n_tokens": 3}),

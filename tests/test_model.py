@@ -57,10 +57,10 @@ def test_prefill_in_column_chunks_matches_transformers(cpu, default_model, monke
 
 
 def test_generation_logits_from_the_wanted_tokens_match_transformers(engines, default_model):
-    """A generation's prompt computes the last layer after its attention only for the tokens whose logits are
-    wanted (none of a first chunk's, the last token of the last chunk's): the logits it samples from, and the
-    decode steps after it (whose last layer attends to every prompt position's keys and values), are
-    transformers'."""
+    """A generation's prompt computes the last layer's queries, and what follows its attention, only for the
+    tokens whose logits are wanted (none of a first chunk's, the last token of the last chunk's): the logits it
+    samples from, and the decode steps after it (whose last layer attends to every prompt position's keys and
+    values), are transformers'."""
     eng = engines["f32"]
     ids = (eng.tokenizer.encode(PROMPTS[0]) * 8)[:eng.model.T + 12]  # two chunks
     rows = []
@@ -73,12 +73,13 @@ def test_generation_logits_from_the_wanted_tokens_match_transformers(engines, de
     out = eng.last.token_ids
     want = reference_logits(default_model, ids + out)[len(ids) - 1:]
     assert len(rows) == 3 and np.abs(np.stack(rows) - want[:3]).max() <= 1e-3
-    # which launches start at the step's t0: the last layer's from its attention on, no other layer's
+    # which launches start at the step's t0: the last layer's queries and from its attention on, no other layer's
     m = eng.model
     from_t0 = lambda unit: [lt.kernel.name.split("_")[0] for lt in m.unit_launches(unit, prefill=True)
                             if "t0" in lt.kernel.scalars and "t0" not in lt.scalars]
     assert from_t0(0) == []
-    assert from_t0(m.cfg.n_layer - 1) == ["attn", "gemm", "rmsnorm", "gemm", "gemm", "silu", "gemm"]
+    assert from_t0(m.cfg.n_layer - 1) == ["gemm", "rope", "attn", "gemm", "rmsnorm", "gemm", "gemm",
+                                                  "silu", "gemm"]
 
 
 def test_int8_activations_trade_accuracy_for_speed(cpu, default_model):
