@@ -364,6 +364,9 @@ def exp(x):
     return p * ir.bf16bits((ir.i32(n) + 127) << 7)
 
 
+SCORE_CHAINS = 8  # multiply-add chains of the scores of a KV head's group of heads (each head's split in parts)
+
+
 @functools.cache
 def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages: int, max_pages: int,
               kv_dtype: str, wide=False) -> ir.Kernel:
@@ -406,8 +409,7 @@ def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages:
             pg = k.let("pg", k.load("ptab", p))
             with k.loop("slot", page, "vector") as slot:
                 key = _k_index(pg, slot, kvh, 0, n_kv, head_dim, page)
-                scores = [k.let(f"sc{i}", _score(k, qo, key, page, head_dim, scale, max(1, 4 // group), f"{i}_"))
-                          for i, (qo, so) in enumerate(heads)]
+                scores = _scores(k, [qo for qo, so in heads], key, page, head_dim, scale, max(1, SCORE_CHAINS // group))
                 for (qo, so), sc in zip(heads, scores):
                     k.store("s", so + p * page + slot, sc)
         invs = [_softmax(k, so, keys, pages * page, f"{i}") for i, (qo, so) in enumerate(heads)]
@@ -431,14 +433,25 @@ def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages:
     return k.finish()
 
 
-def _score(k, qo, key, stride, head_dim, scale, parts=4, name=""):
-    """q . key * scale for the head whose q starts at qo, the key's dimension d at key + d * stride: in `parts` sums
+def _dots(k, qo, key, stride, head_dim, parts=4, name=""):
+    """Lets of q . key for the head whose q starts at qo, the key's dimension d at key + d * stride: in `parts` sums
     of a slice of the dimensions each, so that as many multiply-add chains run at once."""
     parts = parts if head_dim % parts == 0 else 1
     span = head_dim // parts
-    dots = [k.let(f"qk{name}{i}", ir.reduce("add", "d", span, lambda d, i=i: k.load("q", qo + i * span + d)
-                                      * k.load("kc", key + (i * span + d) * stride))) for i in range(parts)]
+    return [k.let(f"qk{name}{i}", ir.reduce("add", "d", span, lambda d, i=i: k.load("q", qo + i * span + d)
+                                           * k.load("kc", key + (i * span + d) * stride))) for i in range(parts)]
+
+
+def _score(k, qo, key, stride, head_dim, scale, parts=4):
+    dots = _dots(k, qo, key, stride, head_dim, parts)
     return sum(dots[1:], dots[0]) * scale
+
+
+def _scores(k, qos, key, stride, head_dim, scale, parts):
+    """Lets of the scores of the heads whose q start at qos against one key: every head's sums first, one after
+    another, so that a CPU sums them in one loop, each key vector loaded (and widened from f16) once for all."""
+    dots = [_dots(k, qo, key, stride, head_dim, parts, f"{i}_") for i, qo in enumerate(qos)]
+    return [k.let(f"sc{i}", sum(d[1:], d[0]) * scale) for i, d in enumerate(dots)]
 
 
 def _softmax(k, so, keys, end=None, name=""):
