@@ -16,7 +16,7 @@ import numpy as np
 from . import faults, ir, ops, quant, registry, tuning
 from .errors import ContextLimitError, JitllmError
 from .kvcache import PagePool, Sequence
-from .llama import Llama, ModelFile, interleaves
+from .llama import Llama, ModelFile, interleaves, rope_table
 from .memory import Arena
 from .models import default_model_path
 from .placement import device_name, resolve
@@ -53,7 +53,7 @@ class Result:
 class DeviceState:
     """What one device holds for this engine: per-device activations, constants and resident weights."""
 
-    def __init__(self, arena, model: Llama, rope_freqs):
+    def __init__(self, arena, model: Llama, rope):
         self.arena, self.dev = arena, arena.dev
         self.acts, self.consts = {}, {}
         self.weights = {}   # tensor name -> [Buffer, users]
@@ -61,11 +61,11 @@ class DeviceState:
         try:
             for n, (dt, size) in model.activations().items():
                 self.acts[n] = arena.alloc(max(4, size * ir.STORAGE_DTYPES[dt]))
-            self.consts["rope_freqs"] = arena.alloc(rope_freqs.nbytes)
+            self.consts["rope"] = arena.alloc(rope.nbytes)
         except Exception:
             self.release()
             raise
-        self.dev.upload(self.consts["rope_freqs"], rope_freqs)
+        self.dev.upload(self.consts["rope"], rope)
 
     def release(self):
         """Free everything this device holds for the engine."""
@@ -114,7 +114,7 @@ class Engine:
         self.kv_dtype = kv_dtype
         n_pages = -(-self.max_context // PAGE)
         self.model = Llama(self.mf, STEP_TOKENS, PAGE, n_pages, kv_dtype, ACTIVATION_DIGITS[activations])
-        self.rope_freqs = self.mf.rope_freqs()
+        self.rope = rope_table(self.mf.rope_freqs(), self.model.positions)
         self.devices = self._pick_devices(devices, threads)
         caps = {self._device_name(k): v for k, v in (mem or {}).items()}
         self.arenas = {n: Arena(d, caps.get(n)) for n, d in self.devices.items()}
@@ -168,7 +168,7 @@ class Engine:
 
     def _state(self, dev_name):
         if dev_name not in self.dev_state:
-            self.dev_state[dev_name] = DeviceState(self.arenas[dev_name], self.model, self.rope_freqs)
+            self.dev_state[dev_name] = DeviceState(self.arenas[dev_name], self.model, self.rope)
         return self.dev_state[dev_name]
 
     def _load_weights(self, unit, dev_name):

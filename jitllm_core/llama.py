@@ -175,6 +175,13 @@ class ModelFile(_Tensors):
         return inv.astype(np.float32)
 
 
+def rope_table(freqs: np.ndarray, positions: int) -> np.ndarray:
+    """cos and sin of every position's angle for each pair ([positions, pairs, 2] f32, `ops.rope`'s `rot`): the
+    angle an f32 product, as the kernels computed it, its cosine and sine rounded from f64."""
+    ang = (np.arange(positions, dtype=np.float32)[:, None] * freqs[None, :]).astype(np.float64)
+    return np.stack([np.cos(ang), np.sin(ang)], -1).astype(np.float32)
+
+
 def _permute_rows(raw, t, n_heads):
     """Reorder each head's rows (or bias entries) from HF's two halves to GGUF's interleaved pairs."""
     hd = t.shape[0] // n_heads
@@ -242,6 +249,7 @@ class Llama:
         the whole pool)."""
         self.mf, self.cfg, self.T = mf, mf.config, T
         self.page, self.n_pages, self.kv_dtype = page, n_pages, kv_dtype
+        self.positions = page * n_pages  # the longest sequence: its rope table's rows
         self.digits = digits  # of the dot4 layouts' inputs: quant.DIGITS (as accurate as f32) or quant.INT8
         cfg = self.cfg
         if cfg.n_head % cfg.n_kv or cfg.head_dim % 2:
@@ -269,8 +277,10 @@ class Llama:
                 "xq": ("u8", inp * self.digits), "xd": ("f32", inp // 32), "xs": ("f32", inp // 16)}
 
     def activation_bytes(self):
-        """What every device that runs a unit holds besides the units: activations, constants, a margin."""
-        return sum(size * ir.STORAGE_DTYPES[dt] for dt, size in self.activations().values()) + (1 << 20)
+        """What every device that runs a unit holds besides the units: activations, constants (the rope table),
+        a margin."""
+        rope = self.positions * self.cfg.head_dim * 4  # rope_table's cos and sin, f32
+        return sum(size * ir.STORAGE_DTYPES[dt] for dt, size in self.activations().values()) + rope + (1 << 20)
 
     def weight_shapes(self, unit):
         """tensor name -> (shape, True if read as f32 constant data rather than by a matmul)"""
@@ -407,8 +417,10 @@ class Llama:
             *mm_wanted(p + "attn_q.weight", "xn", "q", q, c.dim, bias=b("attn_q")),
             *mm(p + "attn_k.weight", "xn", "k", kv, c.dim, bias=b("attn_k")),
             *mm(p + "attn_v.weight", "xn", "v", kv, c.dim, bias=b("attn_v")),
-            LaunchTemplate(ops.rope(c.n_head, c.head_dim, T), {"q": "a:q", "freq": "c:rope_freqs"}, only_wanted),
-            LaunchTemplate(ops.rope(c.n_kv, c.head_dim, T), {"q": "a:k", "freq": "c:rope_freqs"}, EVERY_TOKEN),
+            LaunchTemplate(ops.rope(c.n_head, c.head_dim, T, self.positions), {"q": "a:q", "rot": "c:rope"},
+                           only_wanted),
+            LaunchTemplate(ops.rope(c.n_kv, c.head_dim, T, self.positions), {"q": "a:k", "rot": "c:rope"},
+                           EVERY_TOKEN),
             LaunchTemplate(ops.kv_store(c.n_kv, c.head_dim, T, **cache), {"k": "a:k", "v": "a:v", **kvb}),
             LaunchTemplate(ops.attention(c.n_head, c.n_kv, c.head_dim, T, **cache, wide=not interleave),
                            {"q": "a:q", "s": "a:scores", "out": "a:att", **kvb}, only_wanted),

@@ -48,10 +48,11 @@ def rmsnorm(dim: int, T: int, eps: float, wide=False) -> ir.Kernel:
     """x[t] / rms(x[t]) * w for the tokens from t0 (the first whose output is wanted). Each token's sum of squares
     is taken in order: with an f16 KV cache the logits sit near the 5e-2 bound (from the cache's rounding), and a
     vectorized order of this sum measured 0.0504 on one reference prompt, the serial one 0.026. One sum is a
-    chain of dependent additions, so a step of many tokens on a device of few threads (not `wide`) runs
-    NORM_LANES of them at once, a lane each (the same sums, bit for bit: 1B shape, a 128-token step's 33 norms on
-    one thread 8.8 -> 4.5 ms), each token's scale kept in its row of `out` until the row is written; a wide
-    device gives each token's sum an iteration of its own (a GPU's block, whose lanes stage the terms)."""
+    chain of dependent additions, so on a device of few threads (not `wide`) whole groups of NORM_LANES tokens
+    run at once, a lane each (the same sums, bit for bit: 1B shape, a 128-token step's 33 norms on one thread
+    8.8 -> 4.5 ms), each token's scale kept in its row of `out` until the row is written; the rest (a decode
+    step's one token), and a wide device's every token (a GPU's block, whose lanes stage the terms), one an
+    iteration."""
     k = ir.Kernel(f"rmsnorm_{dim}_T{T}_{eps:g}{'_wide' if wide else ''}")
     k.buffer("x", "f32", T * dim), k.buffer("w", "f32", dim), k.buffer("out", "f32", T * dim, True)
     n, t0 = k.scalar("n_tokens"), k.scalar("t0")
@@ -62,19 +63,19 @@ def rmsnorm(dim: int, T: int, eps: float, wide=False) -> ir.Kernel:
     def normed(t, r):
         with k.loop("i", dim, "vector") as i:
             k.store("out", t * dim + i, k.load("x", t * dim + i) * r * k.load("w", i))
-    if T == 1 or wide:
-        with k.parallel("j", n - t0) as j:
-            t = k.let("t", t0 + j)
-            normed(t, k.let("r", scale(square_sum(t))))
-        return k.finish()
-    L = NORM_LANES
-    with k.parallel("g", (n - t0 + L - 1) // L) as g:
-        with k.loop("l", L, "vector") as l:  # lanes past the last token repeat its sum (and store the same scale)
-            t = ir.vmin(t0 + g * L + l, n - 1)
-            k.store("out", t * dim, scale(k.let("ss", square_sum(t))))
-        with k.loop("j", ir.vmin(L, n - t0 - g * L), "serial") as j:
-            t = k.let("t", t0 + g * L + j)
-            normed(t, k.let("r", k.load("out", t * dim)))
+    L, rest = NORM_LANES, t0
+    if T >= NORM_LANES and not wide:
+        with k.parallel("g", (n - t0) // L) as g:
+            with k.loop("l", L, "vector") as l:
+                t = t0 + g * L + l
+                k.store("out", t * dim, scale(k.let("ss", square_sum(t))))
+            with k.loop("j", L, "serial") as j:
+                t = k.let("t", t0 + g * L + j)
+                normed(t, k.let("r", k.load("out", t * dim)))
+        rest = t0 + (n - t0) // L * L
+    with k.parallel("j", n - rest) as j:
+        t = k.let("t", rest + j)
+        normed(t, k.let("r", scale(square_sum(t))))
     return k.finish()
 
 
@@ -297,17 +298,18 @@ def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, 
 
 
 @functools.cache
-def rope(n_heads: int, head_dim: int, T: int) -> ir.Kernel:
-    """Rotate adjacent pairs (x[2i], x[2i+1]) by (pos + t) * freq[i] (GGUF llama layout). An angle's cosine and
-    sine are computed once for every head they rotate."""
+def rope(n_heads: int, head_dim: int, T: int, positions: int) -> ir.Kernel:
+    """Rotate adjacent pairs (x[2i], x[2i+1]) by (pos + t) * freq[i] (GGUF llama layout), the angle's cosine and
+    sine read from `rot` ([positions, head_dim / 2, 2], `llama.rope_table`): computed once for the engine, not per
+    step and layer (their libm calls were most of this kernel's time)."""
     half = head_dim // 2
-    k = ir.Kernel(f"rope_{n_heads}x{head_dim}_T{T}")
-    k.buffer("q", "f32", T * n_heads * head_dim, True), k.buffer("freq", "f32", half)
+    k = ir.Kernel(f"rope_{n_heads}x{head_dim}_T{T}_p{positions}")
+    k.buffer("q", "f32", T * n_heads * head_dim, True), k.buffer("rot", "f32", positions * half * 2)
     pos, n, t0 = k.scalar("pos"), k.scalar("n_tokens"), k.scalar("t0")
     with k.parallel("ti", (n - t0) * half) as ti:  # tokens from t0, the first whose output is wanted
         t, i = t0 + ti // half, ti % half
-        ang = k.let("ang", F(pos + t) * k.load("freq", i))
-        c, s = k.let("c", ir.cos(ang)), k.let("s", ir.sin(ang))
+        at = ((pos + t) * half + i) * 2
+        c, s = k.let("c", k.load("rot", at)), k.let("s", k.load("rot", at + 1))
         with k.loop("h", n_heads, "serial") as h:
             base = t * (n_heads * head_dim) + h * head_dim + 2 * i
             x0, x1 = k.let("x0", k.load("q", base)), k.let("x1", k.load("q", base + 1))

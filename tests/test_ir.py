@@ -112,6 +112,8 @@ def op_examples():
     return {
         "embed": (ops.embed(quant.FORMATS["Q8_0"], 5, 64, T), {"n_tokens": 2}),
         "rmsnorm": (ops.rmsnorm(64, T, 1e-5), {"n_tokens": 3, "t0": 1}),
+        # a group of NORM_LANES tokens a lane each, then 3 one by one
+        "rmsnorm_lanes": (ops.rmsnorm(64, 20, 1e-5), {"n_tokens": 20, "t0": 1}),
         "rmsnorm_wide": (ops.rmsnorm(64, T, 1e-5, wide=True), {"n_tokens": 3, "t0": 1}),
         "matmul_q4_1": (ops.matmul(quant.FORMATS["Q4_1"], 5, 64, T, accumulate=True, bias=True), {"n_tokens": 3, "t0": 1}),
         "matmul_q4_k": (ops.matmul(quant.FORMATS["Q4_K"], 3, 256, T), {"n_tokens": 2, "t0": 0}),
@@ -130,7 +132,7 @@ def op_examples():
         "prefill_matmul_chunk_cols": (ops.prefill_matmul(quant.FORMATS["Q4_1"], 16, 96, 8, accumulate=True,
                                                          chunk_cols=32), {"n_tokens": 7, "t0": 1, "col0": 64}),
         "dequant": (quant.dequant_kernel(quant.FORMATS["Q4_1"], 8, 64), {}),
-        "rope": (ops.rope(3, 8, T), {"pos": 5, "n_tokens": 3, "t0": 1}),
+        "rope": (ops.rope(3, 8, T, 10), {"pos": 5, "n_tokens": 3, "t0": 1}),
         "kv_store_f16": (ops.kv_store(2, 8, T, page, n_pages, n_pages, "f16"), {"pos": 5, "n_tokens": 3}),
         # positions 3-5: the end of one page and the start of the next
         "kv_store_f32_two_pages": (ops.kv_store(2, 8, T, page, n_pages, n_pages, "f32"), {"pos": 3, "n_tokens": 3}),
