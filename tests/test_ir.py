@@ -113,7 +113,7 @@ def op_examples():
         "embed": (ops.embed(quant.FORMATS["Q8_0"], 5, 64, T), {"n_tokens": 2}),
         "rmsnorm": (ops.rmsnorm(64, T, 1e-5), {"n_tokens": 3, "t0": 1}),
         # a group of NORM_LANES tokens a lane each, then 3 one by one
-        "rmsnorm_lanes": (ops.rmsnorm(64, 20, 1e-5), {"n_tokens": 20, "t0": 1}),
+        "rmsnorm_lanes": (ops.rmsnorm(16, 20, 1e-5), {"n_tokens": 20, "t0": 1}),
         "rmsnorm_wide": (ops.rmsnorm(64, T, 1e-5, wide=True), {"n_tokens": 3, "t0": 1}),
         "matmul_q4_1": (ops.matmul(quant.FORMATS["Q4_1"], 5, 64, T, accumulate=True, bias=True), {"n_tokens": 3, "t0": 1}),
         "matmul_q4_k": (ops.matmul(quant.FORMATS["Q4_K"], 3, 256, T), {"n_tokens": 2, "t0": 0}),
