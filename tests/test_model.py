@@ -93,6 +93,13 @@ def test_int8_activations_trade_accuracy_for_speed(cpu, default_model):
     with eng.session() as s:
         steps = np.concatenate([s.feed([t]) for t in ids[:8]])
     assert np.abs(steps - got[:8]).max() <= 1e-3
+    # a two-chunk generation (its last layer from t0: the integer matmuls' token tiles start there) samples from
+    # the logits scoring gives
+    long_ids, rows = (ids * 4)[:eng.model.T + 12], []
+    for _ in eng._generate(long_ids, 2, lambda logits: rows.append(logits.copy()) or int(np.argmax(logits)), [], True):
+        pass
+    scored = eng.score(long_ids + eng.last.token_ids)[len(long_ids) - 1:len(long_ids) + 1]
+    assert np.abs(np.stack(rows) - scored).max() <= 1e-4
     with pytest.raises(jl.JitllmError, match="activations must be"):
         jl.Engine(default_model, devices=["cpu"], activations="int4")
 
