@@ -270,7 +270,7 @@ class Llama:
                 "u": ("f32", T * c.ffn), "h": ("f32", T * c.ffn), "logits": ("f32", T * c.vocab),
                 "scores": ("f32", T * c.n_head * self.n_pages * self.page),
                 # the prefill matmuls' scratch: blocks of a layer matrix, dequantized (a column chunk's are no wider)
-                "wdq": ("f32", max((ops.prefill_scratch(self.fmt(name, shape), *shape)
+                "wdq": ("f32", max((ops.prefill_scratch(self.fmt(name, shape), *shape, T)
                                     for name, (shape, as_f32) in self.weight_shapes(0).items()
                                     if not as_f32 and shape[0] % ROWS == 0), default=1)),
                 # a matmul's input as the dot4 layouts read it (ops.quantize_input)
