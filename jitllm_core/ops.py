@@ -267,7 +267,7 @@ def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, 
         sums = scratch + tile_rows * blk  # the tile's partial sums, [token, row of the tile], where blocks > 1
         rt0 = k.let("rt0", s * (rows // tile_rows) // slices)
         with k.loop("rt", (s + 1) * (rows // tile_rows) // slices - rt0, "serial", start=rt0) as rt:
-            with k.loop("cb", width // blk, "serial") as cb:
+            with k.loop("cb", blocks, "serial") as cb:
                 b0 = k.let("b0", col0 // fmt.block + cb * (blk // fmt.block))
                 for i in range(G):  # scratch[i, c, r]: row group i, column c of the block, row r of the group
                     at = lambda b, e, r, i=i: scratch + i * (blk * ROWS) + b * (fmt.block * ROWS) + e * ROWS + r
