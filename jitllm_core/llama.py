@@ -352,14 +352,13 @@ class Llama:
         return prefill and interleave and rows % ROWS == 0 and not (fmt.digits and self.digits == quant.INT8)
 
     def _mm(self, name, x, y, rows, cols, acc=False, bias=None, logits=False, prefill=False, interleave=True,
-            groups=ops.GEMM_GROUPS, wanted=False):
-        """Matmul launches, from the step's `t0` where only the wanted tokens' outputs are (`wanted`: the LM head's,
-        the last layer's queries and those after its attention), else for every token. Through the
+            groups=ops.GEMM_GROUPS, scalars=EVERY_TOKEN):
+        """Matmul launches, for every token (`scalars` EVERY_TOKEN) or from the step's `t0` ({}: where only the
+        wanted tokens' outputs are, the LM head's and the last layer's queries and after its attention). Through the
         prefill matmul (`_prefill_matmul`, its tile `groups` row groups), the weights are dequantized to f32 once
         and reused by every token of the step."""
         fmt = self.fmt(name, (rows, cols), interleave)
         bufs = {"y": f"a:{y}", **({"b": f"w:{bias}"} if bias else {})}
-        scalars = {} if logits or wanted else EVERY_TOKEN
         if not self._prefill_matmul(fmt, rows, prefill, interleave):
             digits = {"xq": "a:xq", "xd": "a:xd", "xs": "a:xs"} if fmt.digits else {}
             # a prefill step's int8 dots (the dot4 layouts') in tiles of tokens (the LM head's one token needs none)
@@ -399,7 +398,8 @@ class Llama:
             # the LM head is a decode matmul in every step (only the step's last tokens are wanted)
             return [LaunchTemplate(norm, {"x": "a:x", "w": "w:output_norm.weight", "out": "a:xn"}),
                     *self._inputs("xn", c.dim, unit, [self.head_tensor], interleave=interleave),
-                    *self._mm(self.head_tensor, "xn", "logits", c.vocab, c.dim, logits=True, interleave=interleave)]
+                    *self._mm(self.head_tensor, "xn", "logits", c.vocab, c.dim, logits=True, interleave=interleave,
+                              scalars={})]
         p, q, kv = f"blk.{unit}.", c.n_head * c.head_dim, c.n_kv * c.head_dim
         b = (lambda n: p + n + ".bias") if c.bias else (lambda n: None)
         cache = dict(page=self.page, n_pages=self.n_pages, max_pages=self.n_pages, kv_dtype=self.kv_dtype)
@@ -409,9 +409,8 @@ class Llama:
                                                       interleave)
         # the last layer's queries and what follows its attention feed only the LM head: from t0 (its keys and
         # values, every token's, go to the cache), as llama.cpp's graph keeps only the output rows there
-        last = unit == c.n_layer - 1
-        only_wanted = {} if last else EVERY_TOKEN
-        mm_wanted = functools.partial(mm, wanted=last)
+        only_wanted = {} if unit == c.n_layer - 1 else EVERY_TOKEN
+        mm_wanted = functools.partial(mm, scalars=only_wanted)
         return [
             LaunchTemplate(norm, {"x": "a:x", "w": f"w:{p}attn_norm.weight", "out": "a:xn"}, EVERY_TOKEN),
             *inputs("xn", c.dim, "attn_q", "attn_k", "attn_v"),

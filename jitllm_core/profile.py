@@ -52,7 +52,7 @@ def profile_decode(eng, prompt_tokens=32, repeats=5, step_tokens=1):
                     read = ln.kernel.w_read(step_tokens) if ln.kernel.w_read else w and w.size
                     nbytes = read * STORAGE_DTYPES[w.dtype] if w else 0
                     # tokens it computes: from the step's t0 where it takes it (the last layer's, the LM head's)
-                    first = values[ln.scalars.get("t0", "t0")] if "t0" in ln.kernel.scalars else 0
+                    first = values[ln.scalar_name("t0")] if "t0" in ln.kernel.scalars else 0
                     flops = ln.kernel.flops(step_tokens - first) if ln.kernel.flops else 0
                     rows.append((u, ln.kernel.name, s, nbytes, flops))
             whole = _median_time(lambda: [(seg.prefill if prefill else seg.program).run(values)
