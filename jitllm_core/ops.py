@@ -40,7 +40,7 @@ def embed(fmt: Format, vocab: int, dim: int, T: int) -> ir.Kernel:
     return k.finish()
 
 
-NORM_LANES = 16  # tokens whose sums of squares a prefill step's rmsnorm takes at once, a lane each
+NORM_LANES = ROWS  # tokens whose sums of squares a prefill step's rmsnorm takes at once: a vector's lanes
 
 
 @functools.cache
@@ -408,8 +408,8 @@ def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages:
             t, h = t0 + th // n_head, th % n_head
             qo, so, keys = t * qw + h * head_dim, (t * n_head + h) * ctx, pos + t + 1
             with k.loop("j", keys, "vector") as j:
-                k.store("s", so + j, _score(k, qo, _k_index(k.load("ptab", j // page), j % page, h // group, 0,
-                                                            n_kv, head_dim, page), page, head_dim, scale))
+                key = _k_index(k.load("ptab", j // page), j % page, h // group, 0, n_kv, head_dim, page)
+                k.store("s", so + j, _scores(k, [qo], key, page, head_dim, scale, 4)[0])
             inv = _softmax(k, so, keys)
             with k.loop("d", head_dim, "vector") as d:
                 k.store("out", qo + d, ir.reduce("add", "j", keys, lambda j: k.load("s", so + j) * k.load(
@@ -460,15 +460,10 @@ def _dots(k, qo, key, stride, head_dim, parts=4, name=""):
                                            * k.load("kc", key + (i * span + d) * stride))) for i in range(parts)]
 
 
-def _score(k, qo, key, stride, head_dim, scale, parts=4):
-    """q . key * scale for one head (the wide form's, a head an iteration)."""
-    dots = _dots(k, qo, key, stride, head_dim, parts)
-    return sum(dots[1:], dots[0]) * scale
-
-
 def _scores(k, qos, key, stride, head_dim, scale, parts):
-    """Lets of the scores of the heads whose q start at qos against one key: every head's sums first, one after
-    another, so that a CPU sums them in one loop, each key vector loaded (and widened from f16) once for all."""
+    """Lets of q . key * scale of the heads whose q start at qos against one key, each in `parts` chains: every
+    head's sums first, one after another, so that a CPU sums them in one loop, each key vector loaded (and widened
+    from f16) once for all."""
     dots = [_dots(k, qo, key, stride, head_dim, parts, f"{i}_") for i, qo in enumerate(qos)]
     return [k.let(f"sc{i}", sum(d[1:], d[0]) * scale) for i, d in enumerate(dots)]
 
