@@ -395,6 +395,11 @@ class Engine:
         self._count(pos, n)
         return logits
 
+    def _chunks(self, ids):
+        """ids in steps of the model's size (STEP_TOKENS when the engine was made)."""
+        T = self.model.T
+        return [ids[i:i + T] for i in range(0, len(ids), T)]
+
     def _cross(self, src, dst, nbytes):
         a, b = self.dev_state[src].acts["x"], self.dev_state[dst].acts["x"]
         registry.copy(a, 0, b, 0, nbytes)
@@ -461,12 +466,10 @@ class Engine:
         self.last = Result(out, "", "length", timings)
         try:
             t = time.perf_counter()
-            T = self.model.T  # the step's tokens (STEP_TOKENS when the engine was made)
-            for i in range(0, len(ids), T):
-                chunk = ids[i:i + T]
-                last_chunk = i + T >= len(ids)
-                with self._lock:
-                    logits = self._step(seq, chunk, len(chunk) - 1 if last_chunk else len(chunk))
+            chunks = self._chunks(ids)
+            for i, chunk in enumerate(chunks):
+                with self._lock:  # logits of the last chunk's last token only
+                    logits = self._step(seq, chunk, len(chunk) - 1 if i == len(chunks) - 1 else len(chunk))
             timings["prefill_s"] = time.perf_counter() - t
             while len(out) < max_tokens:
                 tok = sampler(logits[-1])
@@ -530,10 +533,9 @@ class Session:
         if not ids:
             raise JitllmError("feed needs at least one token")
         out = []
-        T = self.eng.model.T
-        for i in range(0, len(ids), T):
+        for chunk in self.eng._chunks(ids):
             with self.eng._lock:
-                out.append(self.eng._step(self.seq, ids[i:i + T], 0).copy())
+                out.append(self.eng._step(self.seq, chunk, 0).copy())
         return np.concatenate(out)
 
     def close(self):
