@@ -56,6 +56,18 @@ def test_prefill_in_column_chunks_matches_transformers(cpu, default_model, monke
         eng.close()
 
 
+def sampled_logits(eng, ids, n):
+    """The logits a greedy generation of n tokens after ids samples from, one row a token, and the tokens."""
+    rows = []
+
+    def greedy(logits):
+        rows.append(logits.copy())
+        return int(np.argmax(logits))
+    for _ in eng._generate(ids, n, greedy, [], True):
+        pass
+    return rows, eng.last.token_ids
+
+
 def test_generation_logits_from_the_wanted_tokens_match_transformers(engines, default_model):
     """A generation's prompt computes the last layer's queries, and what follows its attention, only for the
     tokens whose logits are wanted (none of a first chunk's, the last token of the last chunk's): the logits it
@@ -63,14 +75,7 @@ def test_generation_logits_from_the_wanted_tokens_match_transformers(engines, de
     values), are transformers'."""
     eng = engines["f32"]
     ids = (eng.tokenizer.encode(PROMPTS[0]) * 8)[:eng.model.T + 12]  # two chunks
-    rows = []
-
-    def greedy(logits):
-        rows.append(logits.copy())
-        return int(np.argmax(logits))
-    for _ in eng._generate(ids, 3, greedy, [], True):
-        pass
-    out = eng.last.token_ids
+    rows, out = sampled_logits(eng, ids, 3)
     want = reference_logits(default_model, ids + out)[len(ids) - 1:]
     assert len(rows) == 3 and np.abs(np.stack(rows) - want[:3]).max() <= 1e-3
     # which launches start at the step's t0: the last layer's queries and from its attention on, no other layer's
@@ -95,10 +100,9 @@ def test_int8_activations_trade_accuracy_for_speed(cpu, default_model):
     assert np.abs(steps - got[:8]).max() <= 1e-3
     # a two-chunk generation (its last layer from t0: the integer matmuls' token tiles start there) samples from
     # the logits scoring gives
-    long_ids, rows = (ids * 4)[:eng.model.T + 12], []
-    for _ in eng._generate(long_ids, 2, lambda logits: rows.append(logits.copy()) or int(np.argmax(logits)), [], True):
-        pass
-    scored = eng.score(long_ids + eng.last.token_ids)[len(long_ids) - 1:len(long_ids) + 1]
+    long_ids = (ids * 4)[:eng.model.T + 12]
+    rows, out = sampled_logits(eng, long_ids, 2)
+    scored = eng.score(long_ids + out)[len(long_ids) - 1:len(long_ids) + 1]
     assert np.abs(np.stack(rows) - scored).max() <= 1e-4
     with pytest.raises(jl.JitllmError, match="activations must be"):
         jl.Engine(default_model, devices=["cpu"], activations="int4")
