@@ -269,10 +269,13 @@ def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, 
         with k.loop("rt", (s + 1) * (rows // tile_rows) // slices - rt0, "serial", start=rt0) as rt:
             with k.loop("cb", blocks, "serial") as cb:
                 b0 = k.let("b0", col0 // fmt.block + cb * (blk // fmt.block))
-                for i in range(G):  # scratch[i, c, r]: row group i, column c of the block, row r of the group
-                    at = lambda b, e, r, i=i: scratch + i * (blk * ROWS) + b * (fmt.block * ROWS) + e * ROWS + r
+                # scratch[i, c, r]: row group i, column c of the block, row r of the group; the groups (and the
+                # format's pieces) in loops, not unrolled: the same speed, a fifth of the code and of its
+                # compile time (Q4_K 8192 x 2048: 3.1 -> 0.6 s)
+                with k.loop("g", G, "serial") as i:
+                    at = lambda b, e, r: scratch + i * (blk * ROWS) + b * (fmt.block * ROWS) + e * ROWS + r
                     dequant_rows(k, fmt, "w", rt * G + i, b0, blk // fmt.block, cols,
-                                 lambda b, e, r, v, at=at: k.store("wdq", at(b, e, r), v))
+                                 lambda b, e, r, v: k.store("wdq", at(b, e, r), v))
                 k.barrier()
                 xb = col0 + cb * blk
 

@@ -235,7 +235,7 @@ class Interleaved(Format):
     offset `off` (in bytes per row); field (off, size) of row r lies at byte off * ROWS + r * size of the
     block's group, so that lanes that are rows load it contiguously. Row counts must be multiples of ROWS.
     A format gives, for one block of one row (`at`: its fields' byte indices), `block_dot` -- the dot product of
-    a piece of it with the input's block (an `Input`) -- and `block_values`, its elements."""
+    a piece of it with the input's block (an `Input`) -- and `piece_values`, a piece's elements."""
     interleave = ROWS
     pieces = 1  # a block's dot in pieces, an iteration each: fewer values live at once (a whole R6 block spilled)
 
@@ -252,15 +252,19 @@ class Interleaved(Format):
             return self.block_dot(k, buf, self.at(rg, b, nb, r), inp.block(b, self.block), bp % m if m > 1 else 0)
         return ir.reduce("add", "b", nb * m, piece)
 
-    def values(self, k, buf, rg, r, cols, b):
-        """[(element of the block, value)] of row r of group rg, block b"""
-        return self.block_values(k, buf, self.at(rg, b, cols // self.block, r))
+    def values(self, k, buf, rg, r, cols, b, piece=None):
+        """[(element of the block, value)] of row r of group rg, block b: of its piece `piece` (an expression),
+        or of every piece"""
+        at = self.at(rg, b, cols // self.block, r)
+        pieces = range(self.pieces) if piece is None else [piece]
+        return [ev for p in pieces for ev in self.piece_values(k, buf, at, p)]
 
     def block_dot(self, k, buf, at, inp, piece):
         """the dot of piece `piece` (0 .. pieces - 1, an expression) of the block"""
         raise NotImplementedError
 
-    def block_values(self, k, buf, at):
+    def piece_values(self, k, buf, at, piece):
+        """[(element of the block, value)] of the block's piece `piece` (an expression)"""
         raise NotImplementedError
 
 
@@ -318,8 +322,8 @@ class Affine4(Interleaved):
                  for scale, offset, off, e0 in self.subs(k, buf, at, piece)]
         return sum(parts[1:], parts[0])
 
-    def block_values(self, k, buf, at):
-        return [(e0 + e, scale * q + offset) for piece in range(self.pieces)
+    def piece_values(self, k, buf, at, piece):
+        return [(e0 + e, scale * q + offset)
                 for scale, offset, off, e0 in self.subs(k, buf, at, piece) for e, q in _nibbles(k, buf, at, off)]
 
 
@@ -353,7 +357,7 @@ class R8(Interleaved):
         step = lambda j: F(_i8(k.load(buf, at(2, 1) + j * ROWS))) * inp.x(j)
         return _half(k, buf, at(0, 2)) * ir.reduce("add", "j", 32, step, "unroll")
 
-    def block_values(self, k, buf, at):
+    def piece_values(self, k, buf, at, piece):
         return [(j, _half(k, buf, at(0, 2)) * F(_i8(k.load(buf, at(2 + j, 1))))) for j in range(32)]
 
 
@@ -388,12 +392,13 @@ class R6(Interleaved):
                         * (_digit_dot(sums) * inp.scale(e0) - 32.0 * inp.sum(e0)))
         return sum(subs[1:], subs[0])
 
-    def block_values(self, k, buf, at):
-        d, out = ir.f16bits(_word(k, buf, at(0, 4))), []
-        for s in range(16):
-            sc = d * self.scale(k, buf, at, s // 4, s % 4)
-            out += [(16 * s + 4 * i + j, sc * F(((q >> 8 * j) & 63) - 32))
-                    for i, q in enumerate(self.quads(k, buf, at, s)) for j in range(4)]
+    def piece_values(self, k, buf, at, piece):
+        d, out, n = ir.f16bits(_word(k, buf, at(0, 4))), [], 16 // self.pieces
+        for j in range(n):
+            s = piece * n + j
+            sc = d * self.scale(k, buf, at, *_byte_of(piece, n, j))
+            out += [(16 * s + 4 * i + b, sc * F(((q >> 8 * b) & 63) - 32))
+                    for i, q in enumerate(self.quads(k, buf, at, s)) for b in range(4)]
         return out
 
 
@@ -533,9 +538,10 @@ def dequant_rows(k: ir.Kernel, fmt: Format, buf: str, rg, b0, nb: int, cols: int
     lanes the vector's."""
     if isinstance(fmt, Interleaved):
         with k.loop("b", nb, "serial") as b:
-            with k.loop("r", ROWS, "vector") as r:
-                for e, v in fmt.values(k, buf, rg, r, cols, b0 + b):
-                    store(b, e, r, v)
+            with k.loop("p", fmt.pieces, "serial") as p:
+                with k.loop("r", ROWS, "vector") as r:
+                    for e, v in fmt.values(k, buf, rg, r, cols, b0 + b, p):
+                        store(b, e, r, v)
         return
     with k.loop("r", ROWS, "serial") as r:
         with k.loop("b", nb, "serial") as b:
