@@ -57,7 +57,10 @@ class LlamaCpp:
         self.llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, verbose=False)
 
     def next_token(self):
-        return int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+        """Greedy: the argmax of the last evaluated token's logits, read from the context (llama-cpp-python keeps
+        its `scores` rows only with logits_all, and only n_batch of them otherwise)."""
+        logits = np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(self.llm.n_vocab(),))
+        return int(np.argmax(logits))
 
     def once(self, ids, steps) -> tuple[float, float]:
         self.llm.reset()

@@ -130,3 +130,24 @@ def test_bench_pairs_each_run_with_the_bandwidth_measured_beside_it(monkeypatch)
     marks = iter([5.0, 7.0, 6.0, 9.0])                        # before, after the warm-up, after run 1, after run 2
     runs, best = bench.interleaved_runs(None, None, [1], 4, 2, lambda n: next(marks))
     assert runs["jitllm"] == [(2.0, 20.0, 7.0), (3.0, 30.0, 9.0)] and runs["llama.cpp"] == [] and best == 9.0
+
+
+def test_bench_peer_decodes_greedily_past_its_batch(default_model, cpu):
+    """bench's llama.cpp peer takes each next token from the logits of the one it evaluated last, for prompts past
+    llama.cpp's batch of 512 too, and so decodes what jitllm decodes on the default model (an independent check
+    of both; skipped where llama-cpp-python, a benchmark set-up step, is not installed)."""
+    pytest.importorskip("llama_cpp")
+    from jitllm_core import Engine, bench
+    eng = Engine(default_model, devices=["cpu"], threads=1)
+    ids = bench.prompt_ids(eng.tokenizer, 600)
+    peer = bench.LlamaCpp(default_model, 1, 1024)
+    try:
+        peer.llm.reset()
+        peer.llm.eval(ids)
+        tokens = [peer.next_token()]
+        for _ in range(5):
+            peer.llm.eval([tokens[-1]])
+            tokens.append(peer.next_token())
+    finally:
+        peer.close()
+    assert tokens == eng.generate(ids, max_tokens=6, temperature=0.0, ignore_eos=True).token_ids
