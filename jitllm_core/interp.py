@@ -129,7 +129,7 @@ class Interpreter:
                 inner = dict(env)
                 self.block(s.then if self.ev(s.cond, env) else s.orelse, inner)
                 env.update({k: v for k, v in inner.items() if k in env})
-            # Barrier: iterations run one after another here, so it is always satisfied.
+            # Barrier: iterations run one after another here, so it is always satisfied; Prefetch: a hint.
 
     def load(self, buf, i):
         p, arr = self.k.buffers[buf], self.bufs[buf]

@@ -270,6 +270,16 @@ class Barrier(Stmt):
     pass
 
 
+@dataclass(eq=False)
+class Prefetch(Stmt):
+    """A hint, no effect on results: elements [index, index + count) of buf (count a constant) will be read soon;
+    near: into the nearest cache, else only as near as a much later read needs. A backend may ignore it."""
+    buf: str
+    index: Expr
+    count: int
+    near: bool = True
+
+
 # ----------------------------------------------------------------------------------------------- kernels
 WEIGHTS = "w"  # the buffer of a kernel's weights: what a step streams from memory (profiles count its bytes)
 
@@ -323,6 +333,9 @@ class Kernel:
     def store(self, buf, index, value):
         dt = COMPUTE_OF[self.buffers[buf].dtype]
         self.emit(Store(buf, i32(index), as_expr(value, dt)))
+
+    def prefetch(self, buf, index, count, near=True):
+        self.emit(Prefetch(buf, i32(index), int(count), near))
 
     def atomic_add(self, buf, index, value):
         dt = COMPUTE_OF[self.buffers[buf].dtype]
@@ -466,6 +479,10 @@ def check(k: Kernel):
                 _want(ex(s.cond, env), "bool", "if condition")
                 st(s.then, dict(env), depth + 1)
                 st(s.orelse, dict(env), depth + 1)
+            elif isinstance(s, Prefetch):
+                if s.buf not in k.buffers:
+                    raise IRError(f"{k.name}: unknown buffer {s.buf!r}")
+                _want(ex(s.index, env), "i32", "prefetch index")
             elif not isinstance(s, Barrier):
                 raise IRError(f"{k.name}: not a statement: {s!r}")
 
@@ -522,6 +539,8 @@ def dump(k: Kernel) -> str:
                     st(s.orelse, ind + 1)
             elif isinstance(s, Barrier):
                 out.append(f"{p}barrier")
+            elif isinstance(s, Prefetch):
+                out.append(f"{p}prefetch{'' if s.near else '.far'} {s.buf}[{ex(s.index)}, +{s.count}]")
 
     st(k.body, 1)
     return "\n".join(out)

@@ -386,6 +386,10 @@ def exp(x):
     return p * ir.bf16bits((ir.i32(n) + 127) << 7)
 
 
+# pages ahead whose keys (and values) of its KV head attention prefetches, into L2: 2 KB (f16) of each 16 KB pool
+# page, where the hardware's prefetchers fell behind (1B shape's 16 layers at 3,000 positions, one thread:
+# 13.5 -> 7.2 ms a decode step, 4 against 2 pages ahead or into L1 7.7-8.1; docs/benchmarks.md)
+KV_AHEAD = 4
 SCORE_CHAINS = 8  # multiply-add chains of the scores of a KV head's group of heads (each head's split in parts)
 
 
@@ -428,6 +432,9 @@ def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages:
         # the last key too (the softmax selects them out)
         with k.loop("p", pages) as p:
             pg = k.let("pg", k.load("ptab", p))
+            with k.if_(t == t0):  # the step's first query: its pages come from memory; the later ones' from cache
+                ahead = k.let("ka", k.load("ptab", ir.vmin(p + KV_AHEAD, pages - 1)))
+                k.prefetch("kc", _k_index(ahead, 0, kvh, 0, n_kv, head_dim, page), head_dim * page, near=False)
             with k.loop("slot", page, "vector") as slot:
                 key = _k_index(pg, slot, kvh, 0, n_kv, head_dim, page)
                 scores = _scores(k, [qo for qo, so in heads], key, page, head_dim, scale, max(1, SCORE_CHAINS // group))
@@ -440,6 +447,10 @@ def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages:
         # values page by page, a lane per dimension: a page's weighted sums in registers, added to out once
         with k.loop("p", pages) as p:
             pg = k.let("pg", k.load("ptab", p))
+            with k.if_(t == t0):
+                ahead = k.let("va", k.load("ptab", ir.vmin(p + KV_AHEAD, pages - 1)))
+                with k.loop("vs", page) as slot:
+                    k.prefetch("vc", _v_index(ahead, slot, kvh, n_kv, head_dim, page), head_dim, near=False)
             with k.loop("d", head_dim, "vector") as d:
                 # positions past the last key hold whatever the pool held (NaN times zero is NaN): selected out
                 v = lambda slot: ir.select(p * page + slot < keys, k.load(

@@ -235,3 +235,23 @@ def test_cpu_llvm_compile_error_names_the_device(cpu, tmp_path, monkeypatch):
             compiled.wait()
     finally:
         del cpu.compiled["not-a-module"]
+
+
+def test_prefetch_is_a_hint_of_a_buffer_the_kernel_has():
+    """A prefetch names one of the kernel's buffers and an i32 index; it shows in the kernel's text (so in its key)
+    and changes nothing the kernel computes (the interpreter skips it)."""
+    k = ir.Kernel("prefetching")
+    k.buffer("x", "f32", 8), k.buffer("y", "f32", 8, True)
+    with k.parallel("i", 8) as i:
+        k.prefetch("x", ir.vmin(i + 4, 7), 4, near=False)
+        k.store("y", i, k.load("x", i) * 2.0)
+    k.finish()
+    assert "prefetch.far x[" in ir.dump(k)
+    x = np.arange(8, dtype=np.float32)
+    np.testing.assert_array_equal(interp.run(k, {"x": x, "y": np.zeros(8, np.float32)}, {})["y"], 2 * x)
+    bad = ir.Kernel("prefetching_nothing")
+    bad.buffer("y", "f32", 8, True)
+    with bad.parallel("i", 8) as i:
+        bad.prefetch("x", i, 1)
+    with pytest.raises(ir.IRError, match="unknown buffer 'x'"):
+        bad.finish()

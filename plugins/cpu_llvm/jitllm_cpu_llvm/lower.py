@@ -58,6 +58,7 @@ CLAIMS = 4  # chunks per thread of a parallel loop's claimed half
 # 256-token prompt on two threads ran 1410 against 1591 tok/s capped)
 CLAIM_BYTES = 128 << 10
 CLAIM_STRIDE = 16  # i32s between two parallel loops' claim counters (a cache line each)
+LINE = 64  # bytes of a cache line
 PREFETCHED = "prefetched"  # memo entry: the cache lines a body has prefetched, one set for all its vectors
 LANE0 = "first lane"  # venv entry (no IR name has a space): the vector's first lane within the loop's iteration
 
@@ -349,6 +350,11 @@ class KernelLowering:
                          (lambda: self.block(s.orelse, {})) if s.orelse else None)
         elif isinstance(s, ir.Barrier):
             pass  # one thread runs a whole parallel iteration: its own stores are already visible
+        elif isinstance(s, ir.Prefetch):  # each cache line of the elements once (LLVM's locality 3: into L1, 2: L2)
+            dt = self.k.buffers[s.buf].dtype
+            first = b.gep(self.ptrs[s.buf], [self.expr(s.index)], source_etype=STORAGE[dt])
+            for line in range(0, s.count * ir.STORAGE_DTYPES[dt], LINE):
+                self.prefetch(b.gep(first, [L.Constant(I32, line)], source_etype=I8), 3 if s.near else 2)
         else:
             raise ir.IRError(f"cannot lower {s!r}")
 
@@ -1336,7 +1342,7 @@ def _line_key(index, consts, offset):
             const += key
         else:
             varying.append(repr(key))
-    return tuple(sorted(varying)), const // 64
+    return tuple(sorted(varying)), const // LINE
 
 
 def _shaped_like(v):

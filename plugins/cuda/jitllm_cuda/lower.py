@@ -499,7 +499,7 @@ class _Function:
                 raise BackendError(f"cuda: kernel {self.k.name}: barrier inside a vector loop")
             if self.coop:
                 self.sync()
-        else:
+        elif not isinstance(s, ir.Prefetch):  # a hint; a warp's loads are already many in flight
             raise BackendError(f"cuda: kernel {self.k.name}: cannot lower {s!r}")
 
     def loop(self, s: ir.Loop):

@@ -365,7 +365,7 @@ class _Segment:
                 self.coherent = True
                 self.emit("memoryBarrierBuffer(); barrier();")
             # "top" (nested) and "lane": one invocation runs these statements in order: nothing to wait for
-        else:
+        elif not isinstance(s, ir.Prefetch):  # a hint GLSL has no way to give
             raise LoweringError(f"{self.lw.k.name}: cannot lower {s!r}")
 
     def loop(self, s, mode, env):
