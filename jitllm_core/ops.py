@@ -387,8 +387,8 @@ def exp(x):
 
 
 # pages ahead whose keys (and values) of its KV head attention prefetches, into L2: 2 KB (f16) of each 16 KB pool
-# page, where the hardware's prefetchers fell behind (1B shape's 16 layers at 3,000 positions, one thread:
-# 13.5 -> 7.2 ms a decode step, 4 against 2 pages ahead or into L1 7.7-8.1; docs/benchmarks.md)
+# page, where the hardware's prefetchers fell behind (the 1B shape's 16 attention launches of a decode step at
+# 3,000 positions, one thread: 13.5 -> 7.2 ms; 2 pages ahead, or into L1, 7.7-8.1; docs/benchmarks.md)
 KV_AHEAD = 4
 SCORE_CHAINS = 8  # multiply-add chains of the scores of a KV head's group of heads (each head's split in parts)
 
@@ -456,7 +456,7 @@ def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages:
                 for (qo, so), pv in zip(heads, sums):
                     k.store("out", qo + d, k.load("out", qo + d) + pv)
         # the pages before the last whole, unselected (a select of each loaded vector -- a masked load -- made the
-        # 1B shape's prefill attention at 2,944 positions 28 % slower)
+        # 1B shape's attention in a 128-token prefill step at 2,944 positions 17-20 % slower)
         with k.loop("p", pages - 1) as p:
             with k.if_(t == t0):
                 ahead = k.let("va", k.load("ptab", ir.vmin(p + KV_AHEAD, pages - 1)))
