@@ -6,6 +6,7 @@ the CPU compiles them under keys of their own, as the IR differs):
     python benchmarks/ab_decode.py -m MODEL --threads 2 --set quant.R6.pieces 2 4 [--rounds 7]
     python benchmarks/ab_decode.py -m MODEL --activations int8 --prompt-tokens 256 --set ops.INT8_TOKENS 1 4
     python benchmarks/ab_decode.py -m MODEL --prompt-tokens 256 --set engine.STEP_TOKENS 64 128  # an engine's steps
+    python benchmarks/ab_decode.py -m MODEL --prompt-tokens 3000 --set ops.KV_AHEAD 2 4  # decode at a long context
 
 A device's tuned lowering options too: `--set tuning.FORCED '{"prefetch": 0}' '{"prefetch": 1}'` gives every
 kernel tag candidate 0, then 1, of the CPU's `prefetch` (CpuDevice.tunables). And the CPU backend's lowering
@@ -51,7 +52,8 @@ def main():
         for f in vars(ops).values():
             if hasattr(f, "cache_clear"):
                 f.cache_clear()
-        eng = jl.Engine(args.model, devices=["cpu"], threads=args.threads, max_context=512,
+        context = max(512, args.prompt_tokens + args.decode_tokens + 1)  # a long prompt's decode measured too
+        eng = jl.Engine(args.model, devices=["cpu"], threads=args.threads, max_context=context,
                         activations=args.activations)
         ids = bench.prompt_ids(eng.tokenizer, args.prompt_tokens)
         bench.jitllm_once(eng, ids, 2)  # warm-up
