@@ -428,13 +428,16 @@ def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages:
         keys, pages = pos + t + 1, (pos + t + page) // page
         # where each head's q and scores start
         heads = [(t * qw + (kvh * group + i) * head_dim, (t * n_head + kvh * group + i) * ctx) for i in range(group)]
+
+        def prefetch(p, rows):  # the step's first query: its pages come from memory; the later ones' from cache
+            with k.if_(t == t0):
+                rows(k.let(f"ahead_{p.name}", k.load("ptab", ir.vmin(p + KV_AHEAD, pages - 1))))
         # scores, a lane per position: each dimension's keys one vector, each head's q a broadcast; positions past
         # the last key too (the softmax selects them out)
         with k.loop("p", pages) as p:
             pg = k.let("pg", k.load("ptab", p))
-            with k.if_(t == t0):  # the step's first query: its pages come from memory; the later ones' from cache
-                ahead = k.let("ka", k.load("ptab", ir.vmin(p + KV_AHEAD, pages - 1)))
-                k.prefetch("kc", _k_index(ahead, 0, kvh, 0, n_kv, head_dim, page), head_dim * page, near=False)
+            prefetch(p, lambda pg: k.prefetch("kc", _k_index(pg, 0, kvh, 0, n_kv, head_dim, page), head_dim * page,
+                                              near=False))
             with k.loop("slot", page, "vector") as slot:
                 key = _k_index(pg, slot, kvh, 0, n_kv, head_dim, page)
                 scores = _scores(k, [qo for qo, so in heads], key, page, head_dim, scale, max(1, SCORE_CHAINS // group))
@@ -455,13 +458,13 @@ def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages:
                     "s", so + p * page + slot) * v(slot))) for i, (qo, so) in enumerate(heads)]
                 for (qo, so), pv in zip(heads, sums):
                     k.store("out", qo + d, k.load("out", qo + d) + pv)
+        def value_rows(pg):
+            with k.loop("vs", page) as slot:
+                k.prefetch("vc", _v_index(pg, slot, kvh, n_kv, head_dim, page), head_dim, near=False)
         # the pages before the last whole, unselected (a select of each loaded vector -- a masked load -- made the
         # 1B shape's attention in a 128-token prefill step at 2,944 positions 17-20 % slower)
-        with k.loop("p", pages - 1) as p:
-            with k.if_(t == t0):
-                ahead = k.let("va", k.load("ptab", ir.vmin(p + KV_AHEAD, pages - 1)))
-                with k.loop("vs", page) as slot:
-                    k.prefetch("vc", _v_index(ahead, slot, kvh, n_kv, head_dim, page), head_dim, near=False)
+        with k.loop("vp", pages - 1) as p:
+            prefetch(p, value_rows)
             values(p, False)
         values(pages - 1, True)
         for (qo, so), inv in zip(heads, invs):
