@@ -26,6 +26,27 @@ from jitllm_core import bench, ops
 from jitllm_core.cache import digest
 
 
+def setter(name):
+    """A function that sets attribute `name` (module.attr or module.Class.attr, a module of jitllm_core or of
+    jitllm_cpu_llvm) to a value, so that kernels built and compiled after it are the variant's."""
+    path = name.split(".")
+    backend = importlib.util.find_spec(f"jitllm_core.{path[0]}") is None  # a module of the CPU backend
+    owner = functools.reduce(getattr, path[1:-1], importlib.import_module(
+        f"{'jitllm_cpu_llvm' if backend else 'jitllm_core'}.{path[0]}"))
+    if backend:
+        from jitllm_cpu_llvm import runtime
+        lowering = runtime.LOWERING
+
+    def apply(v):
+        setattr(owner, path[-1], v)
+        if backend:  # the program keys digest the lowering's source, not the constants set here
+            runtime.LOWERING = digest(lowering, name, repr(v))
+        for f in vars(ops).values():
+            if hasattr(f, "cache_clear"):
+                f.cache_clear()
+    return apply
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model")
@@ -37,21 +58,10 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--activations", default="f32", help="the engine's matmul inputs: f32 (exact) or int8")
     args = ap.parse_args()
-    path, values = args.set[0].split("."), [ast.literal_eval(v) for v in args.set[1:]]
-    backend = importlib.util.find_spec(f"jitllm_core.{path[0]}") is None  # a module of the CPU backend
-    owner = functools.reduce(getattr, path[1:-1], importlib.import_module(
-        f"{'jitllm_cpu_llvm' if backend else 'jitllm_core'}.{path[0]}"))
-    if backend:
-        from jitllm_cpu_llvm import runtime
-        lowering = runtime.LOWERING
+    apply, values = setter(args.set[0]), [ast.literal_eval(v) for v in args.set[1:]]
     engines = []  # (value, engine): a value may be unhashable (a dict)
     for v in values:
-        setattr(owner, path[-1], v)
-        if backend:  # the program keys digest the lowering's source, not the constants set here
-            runtime.LOWERING = digest(lowering, args.set[0], repr(v))
-        for f in vars(ops).values():
-            if hasattr(f, "cache_clear"):
-                f.cache_clear()
+        apply(v)
         context = max(512, args.prompt_tokens + args.decode_tokens + 1)  # a long prompt's decode measured too
         eng = jl.Engine(args.model, devices=["cpu"], threads=args.threads, max_context=context,
                         activations=args.activations)
