@@ -26,7 +26,8 @@ def variant_program(dev, fmt, rows, cols, copies, x, y):
     """One program: the matrix's prefill matmul launches over each copy of its weights in turn; its values."""
     launches, values = [], {}
     for w in copies:
-        for k, at in llama.prefill_matmuls(fmt, rows, cols, STEP, groups=ops.tile_groups(dev.caps.registers)):
+        for k, at in llama.prefill_matmuls(fmt, rows, cols, STEP, groups=ops.tile_groups(dev.caps.registers),
+                                           tokens=ops.tile_tokens(dev.caps.registers)):
             names = {s: f"{s}_{v}" for s, v in at.items()}
             launches.append(Launch(k, {"w": w, "x": x, "y": y, "wdq": dev.alloc(k.buffers["wdq"].size * 4)}, names))
             values.update({names[s]: v for s, v in at.items()})

@@ -58,10 +58,12 @@ def main():
         return
     # the prefill matmul's loops: its register tiles (a column each; the step's last tokens a smaller tile), and
     # the block's loop around them, most of it the dequantization of the block into scratch
-    # (the tile this CPU gets: ops.tile_groups of its registers)
+    # (the tile this CPU gets: ops.tile_groups x ops.tile_tokens of its registers)
     fmt = quant.packed_format(quant.get_format("Q4_K", 2048), 2048)
-    groups = ops.tile_groups(registry.device("cpu").caps.registers)
-    bodies = list(assembly.loops(assembly.assembly(ops.prefill_matmul(fmt, 2048, 2048, 64, groups=groups))))
+    registers = registry.device("cpu").caps.registers
+    groups = ops.tile_groups(registers)
+    bodies = list(assembly.loops(assembly.assembly(ops.prefill_matmul(fmt, 2048, 2048, 64, groups=groups,
+                                                                      tokens=ops.tile_tokens(registers)))))
     for body in bodies:
         mnemonics = [x.split()[0] for x in body]
         if mnemonics.count("vfmadd231ps") and "vaddps" not in mnemonics:  # the loops around it add its sums into y

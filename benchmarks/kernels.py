@@ -106,7 +106,8 @@ def prefill(dev, rng, T=64, n=64):
         x = rng.standard_normal(T * cols).astype(np.float32)
         wb, xb, yb = upload(dev, w), upload(dev, x), dev.alloc(T * rows * 4)
         launches, values, wdq = [], {"n_tokens": n, "t0": 0}, []
-        for k, at in llama.prefill_matmuls(fmt, rows, cols, T, groups=ops.tile_groups(dev.caps.registers)):
+        for k, at in llama.prefill_matmuls(fmt, rows, cols, T, groups=ops.tile_groups(dev.caps.registers),
+                                           tokens=ops.tile_tokens(dev.caps.registers)):
             wdq.append(dev.alloc(k.buffers["wdq"].size * 4))
             names = {s: f"{s}_{v}" for s, v in at.items()}
             launches.append(Launch(k, {"w": wb, "x": xb, "y": yb, "wdq": wdq[-1]}, names))
@@ -162,7 +163,8 @@ def ceiling(dev, rng, T=64):
           "fastest of 5 runs: " + " / ".join(f"{min(r):.1f}-{max(r):.1f}" for r in peaks) + " GFLOP/s")
     print("prefill matmul of 64 rows x 2,048 columns of Q4_K (from L2), 64 tokens (best of 15)")
     fmt, w = packed_tensor("Q4_K", 64, 2048, rng)
-    k = ops.prefill_matmul(fmt, 64, 2048, T, groups=ops.tile_groups(dev.caps.registers))
+    k = ops.prefill_matmul(fmt, 64, 2048, T, groups=ops.tile_groups(dev.caps.registers),
+                           tokens=ops.tile_tokens(dev.caps.registers))
     bufs = {"w": upload(dev, w), "x": upload(dev, rng.random(T * 2048, np.float32)), "y": dev.alloc(T * 64 * 4),
             "wdq": dev.alloc(k.buffers["wdq"].size * 4)}
     reps = max(1, 2 ** 28 // (64 * 2048 * T))

@@ -179,8 +179,13 @@ def quantize_input(cols: int, T: int, digits: int = DIGITS) -> ir.Kernel:
 # The prefill matmul's register tile: 4 x 6 accumulators take 10 loads per 24 multiply-adds (2 x 8: 10 per 16, where
 # the loads, not the multiply-adds, set the pace); a step of 20 tokens or more runs tiles of 6 and 5 (a 64-token one
 # 9 of 6 and 2 of 5)
-GEMM_GROUPS = 4         # groups of ROWS rows (a vector of lanes each) in the prefill matmul's register tile
+GEMM_GROUPS = 4         # groups of ROWS rows (a vector of lanes each) in the prefill matmul's register tile, at most
 GEMM_TOKENS = 6         # tokens of its tile: a weight vector feeds 6 accumulators, a token's value 4
+# tokens of the tile where two groups of them fit (AVX-512: 2 x 8 for the 1B's rows, 3 x 8 for SmolLM2's): fewer
+# tiles a step (a 32-token one 4 instead of 6). ab_gemm.py, one thread, 32 / 128 tokens: R4K 8192 x 2048 5.75 ->
+# 5.19 / 19.3 -> 18.8 ms, R6 2048 x 8192 5.83 -> 5.38 / 19.7 -> 19.9; the 1B's prompt (ab_decode.py, alternated)
+# 32 tokens 97.8 -> 104.1 tok/s, 256 tokens 114.0 -> 115.4
+GEMM_TOKENS_WIDE = 8
 GEMM_BLOCK = 256        # columns of W dequantized at a time (4 x 16 rows x 256 columns of f32: 64 KB, from L2)
 GEMM_SLICES = 32        # parallel iterations of a prefill matmul (each with its own scratch block)
 
@@ -191,6 +196,13 @@ def gemm_block(fmt: Format, width: int) -> int:
                 if width % b == 0)
 
 
+def tile_tokens(registers: int) -> int:
+    """Tokens of the prefill matmul's register tile on a device whose thread holds `registers` f32 values in vector
+    registers: GEMM_TOKENS_WIDE where two groups of them and a weight vector each fit, else GEMM_TOKENS (AVX2's
+    16 x 8 holds one group of 6); not said (0): GEMM_TOKENS."""
+    return GEMM_TOKENS_WIDE if 2 * ROWS * (GEMM_TOKENS_WIDE + 1) <= registers else GEMM_TOKENS
+
+
 def tile_groups(registers: int) -> int:
     """Row groups of the prefill matmul's register tile on a device whose thread holds `registers` f32 values in
     vector registers (Caps.registers): GEMM_GROUPS where its accumulators and a weight vector per group fit
@@ -199,7 +211,7 @@ def tile_groups(registers: int) -> int:
     does not; not said (0): GEMM_GROUPS."""
     if not registers:
         return GEMM_GROUPS
-    return next((g for g in range(GEMM_GROUPS, 0, -1) if g * ROWS * (GEMM_TOKENS + 1) <= registers), 1)
+    return next((g for g in range(GEMM_GROUPS, 0, -1) if g * ROWS * (tile_tokens(registers) + 1) <= registers), 1)
 
 
 def _prefill_tiles(fmt: Format, rows: int, width: int, groups: int) -> tuple[int, int, int]:
@@ -223,7 +235,7 @@ def prefill_scratch(fmt: Format, rows: int, width: int, T: int) -> int:
 
 @functools.cache
 def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=False, chunk_cols=0,
-                   groups=GEMM_GROUPS) -> ir.Kernel:
+                   groups=GEMM_GROUPS, tokens=GEMM_TOKENS) -> ir.Kernel:
     """y[t, r] (+)= sum_c W[r, c] x[t, c] (+ b[r]) for t in [t0, n_tokens), W in layout fmt: a prefill step's matmul,
     whose weights are read once for all of the step's tokens. Each parallel iteration (a slice of the rows) takes
     a register tile's rows at a time (`groups` groups of ROWS rows: `tile_groups`) and, block by block of columns,
@@ -238,7 +250,7 @@ def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, 
     if rows % ROWS:
         raise ir.IRError(f"prefill matmul {rows}x{cols}: {rows} rows are not whole groups of {ROWS}")
     G, blk, slices = _prefill_tiles(fmt, rows, width, groups)
-    N, tile_rows = min(T, GEMM_TOKENS), G * ROWS
+    N, tile_rows = min(T, tokens), G * ROWS
     k = ir.Kernel(f"gemm_{fmt.name}_{rows}x{cols}_T{T}_{tile_rows}x{N}_b{blk}"
                   f"{f'_k{chunk_cols}' if chunk_cols else ''}{'_acc' if accumulate else ''}{'_bias' if bias else ''}")
     k.tune_as(f"gemm_{fmt.name}_{tile_rows}", n_tokens=T, t0=0)  # a device may tune it (the engine tunes decode's)
