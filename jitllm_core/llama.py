@@ -209,7 +209,10 @@ class LaunchTemplate:
 # scalars of a launch that computes every token of the step, not only those from the step's t0 (the first whose
 # output is wanted: the last of a prompt's last chunk, none of its other chunks', the first of a scored sequence)
 EVERY_TOKEN = {"t0": "zero"}
-PREFILL_CHUNK_COLS = 2048
+# the widest matrix a prefill matmul launch takes whole. The 1B's 8,192-column down projections whole, against in
+# chunks of 2,048 (benchmarks/ab_gemm.py, one thread): R4K 21.6 -> 19.5 ms at 128 tokens, 6.33 -> 5.46 at 32;
+# the 1B's 32-token prompt 99.1 -> 103.2 tok/s, 256 tokens unchanged (ab_decode.py, alternated)
+PREFILL_CHUNK_COLS = 8192
 WIDE_THREADS = 1024
 
 
@@ -225,8 +228,8 @@ def interleaves(threads: int) -> bool:
 
 def _column_chunk(fmt, cols):
     """Columns of a matrix in layout fmt that a prefill matmul launch takes at a time (0: all): matrices wider than
-    PREFILL_CHUNK_COLS (an FFN's down projection) go in chunks of whole blocks, so that a chunk's input columns
-    stay in L2 while every row is multiplied by them."""
+    PREFILL_CHUNK_COLS (a larger model's FFN down projection) go in chunks of whole blocks, so that a chunk's input
+    columns stay nearer while every row is multiplied by them."""
     if cols <= PREFILL_CHUNK_COLS:
         return 0
     return next((c for c in range(PREFILL_CHUNK_COLS // fmt.block * fmt.block, 0, -fmt.block) if cols % c == 0), 0)
