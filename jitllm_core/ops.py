@@ -176,16 +176,17 @@ def quantize_input(cols: int, T: int, digits: int = DIGITS) -> ir.Kernel:
     return k.finish()
 
 
-# The prefill matmul's register tile: 4 x 6 accumulators take 10 loads per 24 multiply-adds (2 x 8: 10 per 16, where
-# the loads, not the multiply-adds, set the pace); a step of 20 tokens or more runs tiles of 6 and 5 (a 64-token one
-# 9 of 6 and 2 of 5)
-GEMM_GROUPS = 4         # groups of ROWS rows (a vector of lanes each) in the prefill matmul's register tile, at most
-GEMM_TOKENS = 6         # tokens of its tile: a weight vector feeds 6 accumulators, a token's value 4
-# tokens of the tile where two groups of them fit (AVX-512: 2 x 8 for the 1B's rows, 3 x 8 for SmolLM2's): fewer
-# tiles a step (a 32-token one 4 instead of 6). ab_gemm.py, one thread, 32 / 128 tokens: R4K 8192 x 2048 5.75 ->
-# 5.19 / 19.3 -> 18.8 ms, R6 2048 x 8192 5.83 -> 5.38 / 19.7 -> 19.9; the 1B's prompt (ab_decode.py, alternated)
-# 32 tokens 97.8 -> 104.1 tok/s, 256 tokens 114.0 -> 115.4
-GEMM_TOKENS_WIDE = 8
+# The prefill matmul's register tile: 4 x 6 accumulators take 10 loads per 24 multiply-adds, 2 x 8 10 per 16 -- yet
+# 2 x 8 measured faster on a Zen 5 (GEMM_WIDE); a step of 20 tokens or more runs tiles of N and N - 1 (N = 6: a
+# 64-token one 9 of 6 and 2 of 5)
+GEMM_GROUPS = 4         # groups of ROWS rows (a vector of lanes each) in the tile where GEMM_WIDE does not fit, at most
+GEMM_TOKENS = 6         # tokens of that tile: a weight vector feeds 6 accumulators, a token's value 4
+# the tile where it fits the registers (AVX-512): 2 groups x 8 tokens -- a 32-token step 4 tiles instead of 6, and a
+# block's scratch (32 KB) in L1. ab_gemm.py, one thread, 32 / 128 tokens, against 4 x 6: R4K 8192 x 2048 5.75 ->
+# 5.19 / 19.3 -> 18.8 ms, R6 2048 x 8192 5.83 -> 5.38 / 19.7 -> 19.9; prompts (ab_decode.py, alternated): the 1B's
+# 32 tokens 97.8 -> 104.1 tok/s, 256 tokens 114.0 -> 115.4; SmolLM2's 37 tokens 2 x 8 against 3 x 8 862.7 / 816.6
+# (two threads 1605 / 1537). 3 x 12, 2 x 12, 2 x 14 (spilled) slower
+GEMM_WIDE = (2, 8)
 GEMM_BLOCK = 256        # columns of W dequantized at a time (4 x 16 rows x 256 columns of f32: 64 KB, from L2)
 GEMM_SLICES = 32        # parallel iterations of a prefill matmul (each with its own scratch block)
 
@@ -196,22 +197,28 @@ def gemm_block(fmt: Format, width: int) -> int:
                 if width % b == 0)
 
 
+def _wide(registers: int) -> bool:
+    """Whether GEMM_WIDE's accumulators and a weight vector per group fit `registers` f32 values."""
+    groups, tokens = GEMM_WIDE
+    return 0 < groups * ROWS * (tokens + 1) <= registers
+
+
 def tile_tokens(registers: int) -> int:
     """Tokens of the prefill matmul's register tile on a device whose thread holds `registers` f32 values in vector
-    registers: GEMM_TOKENS_WIDE where two groups of them and a weight vector each fit, else GEMM_TOKENS (AVX2's
-    16 x 8 holds one group of 6); not said (0): GEMM_TOKENS."""
-    return GEMM_TOKENS_WIDE if 2 * ROWS * (GEMM_TOKENS_WIDE + 1) <= registers else GEMM_TOKENS
+    registers: GEMM_WIDE's where it fits, else GEMM_TOKENS (AVX2's 16 x 8 holds one group of 6)."""
+    return GEMM_WIDE[1] if _wide(registers) else GEMM_TOKENS
 
 
 def tile_groups(registers: int) -> int:
     """Row groups of the prefill matmul's register tile on a device whose thread holds `registers` f32 values in
-    vector registers (Caps.registers): GEMM_GROUPS where its accumulators and a weight vector per group fit
-    (AVX-512's 32 x 16), fewer where not (AVX2's 16 x 8: one group, whose block of scratch then stays in L1 for
-    every token tile -- 71-72 against 50-64 GFLOP/s for 4 groups split into loops that fit), one where even that
-    does not; not said (0): GEMM_GROUPS."""
+    vector registers (Caps.registers): GEMM_WIDE's where it fits (AVX-512's 32 x 16), else as many groups of
+    GEMM_TOKENS as fit (AVX2's 16 x 8: one group, whose block of scratch then stays in L1 for every token tile --
+    71-72 against 50-64 GFLOP/s for 4 groups split into loops that fit), at least one; not said (0): GEMM_GROUPS."""
     if not registers:
         return GEMM_GROUPS
-    return next((g for g in range(GEMM_GROUPS, 0, -1) if g * ROWS * (tile_tokens(registers) + 1) <= registers), 1)
+    if _wide(registers):
+        return GEMM_WIDE[0]
+    return next((g for g in range(GEMM_GROUPS, 0, -1) if g * ROWS * (GEMM_TOKENS + 1) <= registers), 1)
 
 
 def _prefill_tiles(fmt: Format, rows: int, width: int, groups: int) -> tuple[int, int, int]:

@@ -139,9 +139,9 @@ def test_quantized_input_holds_the_input(cpu, digits):
 
 
 def test_prefill_tile_fits_the_registers_a_device_says():
-    """8 tokens where two groups of them fit with a weight vector each, else 6; as many row groups as fit (AVX-512's
-    32 x 16: 3 x 8; AVX2's 16 x 8: 1 x 6), at least one; a device that does not say gets the IR's default."""
-    assert (ops.tile_groups(32 * 16), ops.tile_tokens(32 * 16)) == (3, 8)
+    """2 groups x 8 tokens where they fit with a weight vector each (AVX-512's 32 x 16), else as many groups of 6 as
+    fit (AVX2's 16 x 8: 1 x 6), at least one; a device that does not say gets the IR's default."""
+    assert (ops.tile_groups(32 * 16), ops.tile_tokens(32 * 16)) == ops.GEMM_WIDE == (2, 8)
     assert (ops.tile_groups(16 * 8), ops.tile_tokens(16 * 8)) == (1, 6) and ops.tile_groups(64) == 1
     assert ops.tile_groups(2 * 16 * 7) == 2 and ops.tile_groups(0) == ops.GEMM_GROUPS
     assert ops.tile_tokens(0) == ops.GEMM_TOKENS
