@@ -269,16 +269,18 @@ def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, 
     k.buffer("y", "f32", T * rows, True), k.buffer("wdq", "f32", prefill_scratch(fmt, rows, width, T), True)
     n, t0 = k.scalar("n_tokens"), k.scalar("t0")
     col0 = k.scalar("col0") if chunk_cols else 0
-    # tiles of N tokens from the first wanted; the rest of the step in tiles of N and N - 1 where it is long enough
-    # (any count from (N - 1)(N - 2) up is such a sum: a 64-token step 9 tiles of 6 and 2 of 5, a 37-token one 2
-    # of 6 and 5 of 5, no token run that the step does not hold), else one tile of `tail` (T % N) tokens where the
-    # step reaches it: no token runs twice, and no tile reads past the step's last token
+    # tiles of N tokens from the first wanted; the rest of the step in tiles of N and N - 1 where it is such a sum
+    # (short tiles of N - 1 make up what N leaves over, if there are tokens enough: every count from (N - 1)(N - 2)
+    # up, and many below -- with N = 8 a 64-token step 8 tiles of 8, a 37-token one 2 of 8 and 3 of 7, no token
+    # run that the step does not hold), else whole tiles of N and one of `tail` (T % N) tokens where the step
+    # reaches it: no token runs twice, and no tile reads past the step's last row
     tail, first = T % N, t0 // N
     full, short = (n - tail + N - 1) // N, 0  # where the tiles of N end; tiles of N - 1 after them
-    m, least = n - first * N, (N - 1) * (N - 2)
-    shorter = N > 2 and T >= least  # whether a step can hold tiles of N - 1
+    m = n - first * N
+    shorter = N > 2  # whether a step can hold tiles of N - 1
     if shorter:
-        short = ir.select(m >= least, (N - m % N) % N, 0)
+        over = (N - m % N) % N
+        short = ir.select(m >= over * (N - 1), over, 0)
         full = ir.select(short > 0, first + (m - short * (N - 1)) // N, full)
     blocks = width // blk
     with k.parallel("s", slices) as s:
