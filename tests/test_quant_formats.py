@@ -160,6 +160,27 @@ def test_unsupported_format_is_named():
         quant.get_format("Q4_K", 200, "model.gguf: tensor 'x'")
 
 
+@pytest.mark.parametrize("tile", [(2, 8), (4, 6)], ids=["2x8", "4x6"])
+def test_cpu_prefill_matmul_tiles_every_step_length(cpu, tile):
+    """Every count of tokens a step may hold, from the first or the last only: the step's tiles of N and N - 1
+    tokens and its tail cover [t0, n_tokens) -- every wanted row of y right, no other row written."""
+    rows, cols, T = 32, 256, 48
+    rng = np.random.default_rng(5)
+    w, ref = random_tensor("Q4_K", rows, cols, rng)
+    fmt = quant.packed_format(quant.get_format("Q4_K", cols), rows)
+    w = quant.repack(quant.get_format("Q4_K", cols), w, rows)
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    k = ops.prefill_matmul(fmt, rows, cols, T, groups=tile[0], tokens=tile[1])
+    for n in range(1, T + 1):
+        for t0 in sorted({0, n - 1}):
+            y = run_on_device(cpu, k, {"w": w, "x": x.reshape(-1), "y": np.full(T * rows, 7.0, np.float32),
+                                       "wdq": np.zeros(k.buffers["wdq"].size, np.float32)},
+                              {"n_tokens": n, "t0": t0})["y"].reshape(T, rows)
+            want = np.full((T, rows), 7.0, np.float32)
+            want[t0:n] = x[t0:n] @ ref.reshape(rows, cols).T
+            np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-3, err_msg=f"n_tokens {n}, t0 {t0}")
+
+
 @pytest.mark.parametrize("packed", [True, False], ids=["interleaved", "file"])
 @pytest.mark.parametrize("name", ["F16", "Q8_0", "Q4_1", "Q4_K", "Q6_K"])
 def test_cpu_prefill_matmul_matches_gguf(cpu, name, packed):
