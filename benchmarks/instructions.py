@@ -58,17 +58,18 @@ def main():
         return
     # the prefill matmul's loops: its register tiles (a column each; the step's last tokens a smaller tile), and
     # the block's loop around them, most of it the dequantization of the block into scratch
-    # (the tile this CPU gets: ops.tile_groups x ops.tile_tokens of its registers)
+    # (the tile this CPU gets: ops.gemm_tile of its registers)
     fmt = quant.packed_format(quant.get_format("Q4_K", 2048), 2048)
-    registers = registry.device("cpu").caps.registers
-    groups = ops.tile_groups(registers)
-    bodies = list(assembly.loops(assembly.assembly(ops.prefill_matmul(fmt, 2048, 2048, 64, groups=groups,
-                                                                      tokens=ops.tile_tokens(registers)))))
+    tile = ops.gemm_tile(registry.device("cpu").caps.registers)
+    groups = tile[0]
+    bodies = list(assembly.loops(assembly.assembly(ops.prefill_matmul(fmt, 2048, 2048, 64, tile=tile))))
+    loads = groups * quant.ROWS // runtime.simd_width()  # a column's weight vectors
     for body in bodies:
         mnemonics = [x.split()[0] for x in body]
         if mnemonics.count("vfmadd231ps") and "vaddps" not in mnemonics:  # the loops around it add its sums into y
-            print(f"prefill tile of {groups * quant.ROWS} rows x {mnemonics.count('vbroadcastss')} tokens: loop "
-                  f"of {len(body)} instructions per column")
+            columns = max(1, mnemonics.count("vmovups") // loads)  # LLVM may unroll the column loop
+            print(f"prefill tile of {groups * quant.ROWS} rows x {mnemonics.count('vbroadcastss') // columns} tokens: "
+                  f"loop of {len(body)} instructions per {columns} column(s)")
             print("     " + counts(body))
     block = max(bodies, key=len)
     print(f"prefill block of {groups * quant.ROWS} rows x {ops.GEMM_BLOCK} columns of {fmt.name}: "

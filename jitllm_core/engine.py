@@ -241,9 +241,8 @@ class Engine:
         weight = (lambda n: ds.weights[n][0]) if slot is None else (lambda n: ds.slots[slot][_role(n)])
         # a device may decline the prefill matmul (Caps.extra["prefill_matmul"]): its prefill then runs the decode one
         prefill = prefill and self.devices[dev_name].caps.extra.get("prefill_matmul", True)
-        registers = self.devices[dev_name].caps.registers
-        for lt in self.model.unit_launches(unit, prefill, self._interleaves(dev_name), ops.tile_groups(registers),
-                                           ops.tile_tokens(registers)):
+        tile = ops.gemm_tile(self.devices[dev_name].caps.registers)
+        for lt in self.model.unit_launches(unit, prefill, self._interleaves(dev_name), tile):
             bufs = {}
             for param, ref in lt.buffers.items():
                 kind, name = ref.split(":", 1)

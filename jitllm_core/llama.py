@@ -235,15 +235,14 @@ def _column_chunk(fmt, cols):
     return next((c for c in range(PREFILL_CHUNK_COLS // fmt.block * fmt.block, 0, -fmt.block) if cols % c == 0), 0)
 
 
-def prefill_matmuls(fmt, rows, cols, T, accumulate=False, bias=False, groups=ops.GEMM_GROUPS,
-                    tokens=ops.GEMM_TOKENS):
+def prefill_matmuls(fmt, rows, cols, T, accumulate=False, bias=False, tile=ops.GEMM_TILE):
     """A prefill matmul of weights in layout fmt as (kernel, {scalar: value}) per column chunk (`_column_chunk`),
     in launch order: the first adds the bias (and accumulates if the matmul does), the others add to what it
     wrote."""
     ccols = _column_chunk(fmt, cols)
     for c0 in range(0, cols, ccols or cols):
         yield (ops.prefill_matmul(fmt, rows, cols, T, accumulate=accumulate or c0 > 0, bias=bias and c0 == 0,
-                                  chunk_cols=ccols, groups=groups, tokens=tokens), {"col0": c0} if ccols else {})
+                                  chunk_cols=ccols, tile=tile), {"col0": c0} if ccols else {})
 
 
 class Llama:
@@ -356,10 +355,10 @@ class Llama:
         return prefill and interleave and rows % ROWS == 0 and not (fmt.digits and self.digits == quant.INT8)
 
     def _mm(self, name, x, y, rows, cols, acc=False, bias=None, logits=False, prefill=False, interleave=True,
-            groups=ops.GEMM_GROUPS, tokens=ops.GEMM_TOKENS, scalars=EVERY_TOKEN):
+            tile=ops.GEMM_TILE, scalars=EVERY_TOKEN):
         """Matmul launches, for every token (`scalars` EVERY_TOKEN) or from the step's `t0` ({}: where only the
         wanted tokens' outputs are, the LM head's and the last layer's queries and after its attention). Through the
-        prefill matmul (`_prefill_matmul`, its tile `groups` row groups), the weights are dequantized to f32 once
+        prefill matmul (`_prefill_matmul`, its register tile `tile`), the weights are dequantized to f32 once
         and reused by every token of the step."""
         fmt = self.fmt(name, (rows, cols), interleave)
         bufs = {"y": f"a:{y}", **({"b": f"w:{bias}"} if bias else {})}
@@ -371,7 +370,7 @@ class Llama:
                                               self.digits, tokens),
                                    {"w": f"w:{name}", "x": f"a:{x}", **bufs, **digits}, scalars)]
         out = []
-        for mm, at in prefill_matmuls(fmt, rows, cols, self.T, acc, bias is not None, groups, tokens):
+        for mm, at in prefill_matmuls(fmt, rows, cols, self.T, acc, bias is not None, tile):
             names = {s: f"{s}_{v}" for s, v in at.items()}  # constants, the same at every step
             self.constants.update({names[s]: v for s, v in at.items()})
             outs = {b: n for b, n in bufs.items() if b in mm.buffers}  # a later column chunk's: no bias
@@ -389,9 +388,9 @@ class Llama:
         return [LaunchTemplate(ops.quantize_input(cols, self.T, self.digits),
                                {"x": f"a:{x}", "xq": "a:xq", "xd": "a:xd", "xs": "a:xs"})]
 
-    def unit_launches(self, unit, prefill=False, interleave=True, groups=ops.GEMM_GROUPS, tokens=ops.GEMM_TOKENS):
+    def unit_launches(self, unit, prefill=False, interleave=True, tile=ops.GEMM_TILE):
         """The unit's launches for a decode step, or (prefill=True) for a step of many tokens, in the schedule
-        `interleaves` chooses for the device (and with the prefill matmul's tile of `ops.tile_groups` x `ops.tile_tokens`)."""
+        `interleaves` chooses for the device (and with the prefill matmul's `tile`, `ops.gemm_tile`)."""
         c, T = self.cfg, self.T
         norm = ops.rmsnorm(c.dim, T, c.eps, not interleave)
         if unit == "embed":
@@ -408,7 +407,7 @@ class Llama:
         b = (lambda n: p + n + ".bias") if c.bias else (lambda n: None)
         cache = dict(page=self.page, n_pages=self.n_pages, max_pages=self.n_pages, kv_dtype=self.kv_dtype)
         kvb = {"ptab": "kv:ptab", "kc": "kv:k", "vc": "kv:v"}
-        mm = functools.partial(self._mm, prefill=prefill, interleave=interleave, groups=groups, tokens=tokens)
+        mm = functools.partial(self._mm, prefill=prefill, interleave=interleave, tile=tile)
         inputs = lambda x, cols, *names: self._inputs(x, cols, unit, [p + n + ".weight" for n in names], prefill,
                                                       interleave)
         # the last layer's queries and what follows its attention feed only the LM head: from t0 (its keys and

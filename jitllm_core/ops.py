@@ -176,18 +176,19 @@ def quantize_input(cols: int, T: int, digits: int = DIGITS) -> ir.Kernel:
     return k.finish()
 
 
-# The prefill matmul's register tile: 4 x 6 accumulators take 10 loads per 24 multiply-adds, 2 x 8 10 per 16 -- yet
-# 2 x 8 measured faster on a Zen 5 (GEMM_WIDE); a step of 20 tokens or more runs tiles of N and N - 1 (N = 6: a
-# 64-token one 9 of 6 and 2 of 5)
+# The prefill matmul's register tile, (row groups, tokens): 4 x 6 accumulators take 10 loads per 24 multiply-adds,
+# 2 x 8 10 per 16 -- yet 2 x 8 measured faster on a Zen 5 (GEMM_WIDE); a step runs tiles of N and N - 1 tokens
+# wherever its count is such a sum
 GEMM_GROUPS = 4         # groups of ROWS rows (a vector of lanes each) in the tile where GEMM_WIDE does not fit, at most
 GEMM_TOKENS = 6         # tokens of that tile: a weight vector feeds 6 accumulators, a token's value 4
+GEMM_TILE = (GEMM_GROUPS, GEMM_TOKENS)  # the tile of a device that does not say its registers
 # the tile where it fits the registers (AVX-512): 2 groups x 8 tokens -- a 32-token step 4 tiles instead of 6, and a
 # block's scratch (32 KB) in L1. ab_gemm.py, one thread, 32 / 128 tokens, against 4 x 6: R4K 8192 x 2048 5.75 ->
 # 5.19 / 19.3 -> 18.8 ms, R6 2048 x 8192 5.83 -> 5.38 / 19.7 -> 19.9; prompts (ab_decode.py, alternated): the 1B's
 # 32 tokens 97.8 -> 104.1 tok/s, 256 tokens 114.0 -> 115.4; SmolLM2's 37 tokens 2 x 8 against 3 x 8 862.7 / 816.6
-# (two threads 1605 / 1537). 3 x 12, 2 x 12, 2 x 14 (spilled) slower
+# (two threads 1605 / 1537). 2 x 12 and 2 x 14 (140 GFLOP/s) slower
 GEMM_WIDE = (2, 8)
-GEMM_BLOCK = 256        # columns of W dequantized at a time (4 x 16 rows x 256 columns of f32: 64 KB, from L2)
+GEMM_BLOCK = 256        # columns of W dequantized at a time (2 x 16 rows x 256 columns of f32: 32 KB, in L1)
 GEMM_SLICES = 32        # parallel iterations of a prefill matmul (each with its own scratch block)
 
 
@@ -197,28 +198,18 @@ def gemm_block(fmt: Format, width: int) -> int:
                 if width % b == 0)
 
 
-def _wide(registers: int) -> bool:
-    """Whether GEMM_WIDE's accumulators and a weight vector per group fit `registers` f32 values."""
-    groups, tokens = GEMM_WIDE
-    return 0 < groups * ROWS * (tokens + 1) <= registers
-
-
-def tile_tokens(registers: int) -> int:
-    """Tokens of the prefill matmul's register tile on a device whose thread holds `registers` f32 values in vector
-    registers: GEMM_WIDE's where it fits, else GEMM_TOKENS (AVX2's 16 x 8 holds one group of 6)."""
-    return GEMM_WIDE[1] if _wide(registers) else GEMM_TOKENS
-
-
-def tile_groups(registers: int) -> int:
-    """Row groups of the prefill matmul's register tile on a device whose thread holds `registers` f32 values in
-    vector registers (Caps.registers): GEMM_WIDE's where it fits (AVX-512's 32 x 16), else as many groups of
-    GEMM_TOKENS as fit (AVX2's 16 x 8: one group, whose block of scratch then stays in L1 for every token tile --
-    71-72 against 50-64 GFLOP/s for 4 groups split into loops that fit), at least one; not said (0): GEMM_GROUPS."""
+def gemm_tile(registers: int) -> tuple[int, int]:
+    """(row groups, tokens) of the prefill matmul's register tile on a device whose thread holds `registers` f32
+    values in vector registers (Caps.registers): GEMM_WIDE where its accumulators and a weight vector per group fit
+    (AVX-512's 32 x 16), else as many groups of GEMM_TOKENS as fit (AVX2's 16 x 8: one group, whose block of
+    scratch then stays in L1 for every token tile -- 71-72 against 50-64 GFLOP/s for 4 groups split into loops
+    that fit), at least one; not said (0): GEMM_TILE."""
     if not registers:
-        return GEMM_GROUPS
-    if _wide(registers):
-        return GEMM_WIDE[0]
-    return next((g for g in range(GEMM_GROUPS, 0, -1) if g * ROWS * (GEMM_TOKENS + 1) <= registers), 1)
+        return GEMM_TILE
+    groups, tokens = GEMM_WIDE
+    if groups * ROWS * (tokens + 1) <= registers:
+        return GEMM_WIDE
+    return next((g for g in range(GEMM_GROUPS, 0, -1) if g * ROWS * (GEMM_TOKENS + 1) <= registers), 1), GEMM_TOKENS
 
 
 def _prefill_tiles(fmt: Format, rows: int, width: int, groups: int) -> tuple[int, int, int]:
@@ -235,27 +226,28 @@ def _slice_scratch(G: int, blk: int, width: int, T: int) -> int:
 
 def prefill_scratch(fmt: Format, rows: int, width: int, T: int) -> int:
     """f32 elements of a prefill matmul's `wdq` scratch: each slice's (`_slice_scratch`), for a tile of as many
-    row groups as any device's (`tile_groups`: at most GEMM_GROUPS)."""
+    row groups as any device's (`gemm_tile`: at most GEMM_GROUPS)."""
     return max(s * _slice_scratch(G, blk, width, T) for G, blk, s in (_prefill_tiles(fmt, rows, width, g)
                                                                       for g in range(1, GEMM_GROUPS + 1)))
 
 
 @functools.cache
 def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=False, chunk_cols=0,
-                   groups=GEMM_GROUPS, tokens=GEMM_TOKENS) -> ir.Kernel:
+                   tile=GEMM_TILE) -> ir.Kernel:
     """y[t, r] (+)= sum_c W[r, c] x[t, c] (+ b[r]) for t in [t0, n_tokens), W in layout fmt: a prefill step's matmul,
     whose weights are read once for all of the step's tokens. Each parallel iteration (a slice of the rows) takes
-    a register tile's rows at a time (`groups` groups of ROWS rows: `tile_groups`) and, block by block of columns,
-    dequantizes them into f32 scratch of its own (`wdq`: interleaved, W[r // ROWS, c, r % ROWS]; 64 KB, from
-    L2), then multiplies that block by every token of the step: per column, one vector load per group
-    (a lane per row) and one broadcast input value per token, GEMM_TOKENS tokens a tile, each value feeding the
-    others' multiply-adds. A block's sums add to the earlier blocks' in the slice's scratch (after its block:
+    a register tile's rows at a time (`tile`: groups of ROWS rows x tokens, `gemm_tile`) and, block by block of
+    columns, dequantizes them into f32 scratch of its own (`wdq`: interleaved, W[r // ROWS, c, r % ROWS]), then
+    multiplies that block by every token of the step: per column, one vector load per group (a lane per row)
+    and one broadcast input value per token, the tile's tokens at a time, each value feeding the others'
+    multiply-adds. A block's sums add to the earlier blocks' in the slice's scratch (after its block:
     `_slice_scratch`), the last block's into y (contiguous rows: a vector each). Tokens outside [t0,
     n_tokens) compute on what x holds and store nothing. With `chunk_cols`, only columns [col0, col0 +
-    chunk_cols) (a sum over the rest is another launch's; x's columns then stay in L2)."""
+    chunk_cols) (a sum over the rest is another launch's)."""
     width = chunk_cols or cols
     if rows % ROWS:
         raise ir.IRError(f"prefill matmul {rows}x{cols}: {rows} rows are not whole groups of {ROWS}")
+    groups, tokens = tile
     G, blk, slices = _prefill_tiles(fmt, rows, width, groups)
     N, tile_rows = min(T, tokens), G * ROWS
     k = ir.Kernel(f"gemm_{fmt.name}_{rows}x{cols}_T{T}_{tile_rows}x{N}_b{blk}"

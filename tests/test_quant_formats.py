@@ -141,10 +141,10 @@ def test_quantized_input_holds_the_input(cpu, digits):
 def test_prefill_tile_fits_the_registers_a_device_says():
     """2 groups x 8 tokens where they fit with a weight vector each (AVX-512's 32 x 16), else as many groups of 6 as
     fit (AVX2's 16 x 8: 1 x 6), at least one; a device that does not say gets the IR's default."""
-    assert (ops.tile_groups(32 * 16), ops.tile_tokens(32 * 16)) == ops.GEMM_WIDE == (2, 8)
-    assert (ops.tile_groups(16 * 8), ops.tile_tokens(16 * 8)) == (1, 6) and ops.tile_groups(64) == 1
-    assert ops.tile_groups(2 * 16 * 7) == 2 and ops.tile_groups(0) == ops.GEMM_GROUPS
-    assert ops.tile_tokens(0) == ops.GEMM_TOKENS
+    assert ops.gemm_tile(32 * 16) == ops.GEMM_WIDE == (2, 8)
+    assert ops.gemm_tile(16 * 8) == (1, 6) and ops.gemm_tile(64)[0] == 1
+    assert ops.gemm_tile(2 * 16 * 7)[0] == 2 and ops.gemm_tile(0)[0] == ops.GEMM_GROUPS
+    assert ops.gemm_tile(0)[1] == ops.GEMM_TOKENS
 
 
 def test_interleaved_layouts_keep_odd_row_counts_in_the_file_format():
@@ -170,7 +170,7 @@ def test_cpu_prefill_matmul_tiles_every_step_length(cpu, tile):
     fmt = quant.packed_format(quant.get_format("Q4_K", cols), rows)
     w = quant.repack(quant.get_format("Q4_K", cols), w, rows)
     x = rng.standard_normal((T, cols)).astype(np.float32)
-    k = ops.prefill_matmul(fmt, rows, cols, T, groups=tile[0], tokens=tile[1])
+    k = ops.prefill_matmul(fmt, rows, cols, T, tile=tile)
     for n in range(1, T + 1):
         for t0 in sorted({0, n - 1}):
             y = run_on_device(cpu, k, {"w": w, "x": x.reshape(-1), "y": np.full(T * rows, 7.0, np.float32),
@@ -188,7 +188,7 @@ def test_cpu_prefill_matmul_matches_gguf(cpu, name, packed):
     dequantized weights times the input in numpy: each layout a CPU holds, three slices of rows (a tile of 64
     each), more than one block of columns, bias, accumulate, a partial step and a whole one (tiles of 6 and 5
     tokens), a short step (its last tokens in a tile of T % 6), and a chunk of columns; with the IR's default tile
-    and with the one this CPU gets (`ops.tile_groups` x `ops.tile_tokens` of its registers)."""
+    and with the one this CPU gets (`ops.gemm_tile` of its registers)."""
     rows, cols, T = 192, 1024, 64
     rng = np.random.default_rng(13)
     w, ref = random_tensor(name, rows, cols, rng)
@@ -198,12 +198,10 @@ def test_cpu_prefill_matmul_matches_gguf(cpu, name, packed):
     w = quant.repack(quant.get_format(name, cols), w, rows) if packed else w
     x = rng.standard_normal((T, cols)).astype(np.float32)
     b, y0 = rng.standard_normal(rows).astype(np.float32), rng.standard_normal((T, rows)).astype(np.float32)
-    tiles = sorted({(ops.GEMM_GROUPS, ops.GEMM_TOKENS), (ops.tile_groups(cpu.caps.registers),
-                                                          ops.tile_tokens(cpu.caps.registers))})
-    for (groups, tokens), (chunk_cols, col0, n, t0) in [(g, c) for g in tiles for c in (
-            (0, 0, 45, 3), (512, 512, 45, 3), (0, 0, T, 0), (0, 0, 15, 2))]:
-        k = ops.prefill_matmul(fmt, rows, cols, T, accumulate=True, bias=True, chunk_cols=chunk_cols, groups=groups,
-                               tokens=tokens)
+    tiles = sorted({ops.GEMM_TILE, ops.gemm_tile(cpu.caps.registers)})
+    for tile, (chunk_cols, col0, n, t0) in [(g, c) for g in tiles for c in ((0, 0, 45, 3), (512, 512, 45, 3),
+                                                                            (0, 0, T, 0), (0, 0, 15, 2))]:
+        k = ops.prefill_matmul(fmt, rows, cols, T, accumulate=True, bias=True, chunk_cols=chunk_cols, tile=tile)
         y = run_on_device(cpu, k, {"w": w, "x": x.reshape(-1), "b": b, "y": y0.reshape(-1).copy(),
                                    "wdq": np.zeros(k.buffers["wdq"].size, np.float32)},
                           {"n_tokens": n, "t0": t0, "col0": col0})["y"].reshape(T, rows)
