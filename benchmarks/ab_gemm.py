@@ -13,25 +13,18 @@ import ast
 
 import numpy as np
 from ab_decode import setter
-from kernels import PREFILL, packed_tensor, seconds, upload
+from kernels import PREFILL, packed_tensor, prefill_launches, seconds, upload
 
-from jitllm_core import llama, ops, registry
-from jitllm_core.plugin import Launch
+from jitllm_core import ops, registry
 
 STEP = 128  # the engine's step (engine.STEP_TOKENS): the kernels' T
 ROTATED = 96 << 20  # bytes of weight copies a variant's launches rotate over (past a 32 MB L3)
 
 
-def variant_program(dev, fmt, rows, cols, copies, x, y):
-    """One program: the matrix's prefill matmul launches over each copy of its weights in turn; its values."""
-    launches, values = [], {}
-    for w in copies:
-        for k, at in llama.prefill_matmuls(fmt, rows, cols, STEP, groups=ops.tile_groups(dev.caps.registers),
-                                           tokens=ops.tile_tokens(dev.caps.registers)):
-            names = {s: f"{s}_{v}" for s, v in at.items()}
-            launches.append(Launch(k, {"w": w, "x": x, "y": y, "wdq": dev.alloc(k.buffers["wdq"].size * 4)}, names))
-            values.update({names[s]: v for s, v in at.items()})
-    return dev.program(launches), values
+def variant_program(dev, fmt, rows, cols, copies, x, y, wdq):
+    """One program: the matrix's prefill matmul launches over each copy of its weights in turn; its scalars."""
+    launches = [prefill_launches(dev, fmt, rows, cols, STEP, w, x, y, wdq) for w in copies]
+    return dev.program([ln for lns, _ in launches for ln in lns]), launches[0][1]
 
 
 def main():
@@ -50,10 +43,11 @@ def main():
         fmt, w = packed_tensor(name, rows, cols, rng)
         copies = [upload(dev, w) for _ in range(max(2, -(-ROTATED // w.nbytes)))]
         x, y = upload(dev, rng.standard_normal(STEP * cols).astype(np.float32)), dev.alloc(STEP * rows * 4)
-        progs = []
+        progs, scratch = [], []
         for v in values:
-            apply(v)
-            progs.append(variant_program(dev, fmt, rows, cols, copies, x, y))
+            apply(v)  # a variant may size the scratch differently (its tile, its blocks)
+            scratch.append(dev.alloc(ops.prefill_scratch(fmt, rows, cols, STEP) * 4))
+            progs.append(variant_program(dev, fmt, rows, cols, copies, x, y, scratch[-1]))
         for n in args.tokens:
             times = [[] for _ in values]
             for _ in range(args.rounds):
@@ -63,6 +57,8 @@ def main():
                                                                if n else "") for v, t in zip(values, times)]
             print(f"{fmt.name} {rows} x {cols}, {n} tokens, {args.threads} thread(s), medians of {args.rounds}: "
                   + " | ".join(rates), flush=True)
+        for b in (*copies, x, y, *scratch):
+            dev.free(b)
 
 
 if __name__ == "__main__":

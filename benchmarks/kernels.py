@@ -99,22 +99,28 @@ def file_layouts(dev, rng):
             dev.free(b)
 
 
+def prefill_launches(dev, fmt, rows, cols, T, w, x, y, wdq):
+    """The launches of a prefill matmul of T-token steps (its column chunks, with this device's tile) of weights w,
+    input x, output y and scratch wdq (`prefill_scratch` elements at least), and the scalars they name."""
+    launches, values = [], {}
+    for k, at in llama.prefill_matmuls(fmt, rows, cols, T, tile=ops.gemm_tile(dev.caps.registers)):
+        names = {s: f"{s}_{v}" for s, v in at.items()}
+        launches.append(Launch(k, {"w": w, "x": x, "y": y, "wdq": wdq}, names))
+        values.update({names[s]: v for s, v in at.items()})
+    return launches, values
+
+
 def prefill(dev, rng, T=64, n=64):
     print(f"\nprefill matmul (dequantize blocks into scratch, multiply by every token), {n} tokens")
     for name, rows, cols in PREFILL:
         fmt, w = packed_tensor(name, rows, cols, rng)
         x = rng.standard_normal(T * cols).astype(np.float32)
         wb, xb, yb = upload(dev, w), upload(dev, x), dev.alloc(T * rows * 4)
-        launches, values, wdq = [], {"n_tokens": n, "t0": 0}, []
-        for k, at in llama.prefill_matmuls(fmt, rows, cols, T, groups=ops.tile_groups(dev.caps.registers),
-                                           tokens=ops.tile_tokens(dev.caps.registers)):
-            wdq.append(dev.alloc(k.buffers["wdq"].size * 4))
-            names = {s: f"{s}_{v}" for s, v in at.items()}
-            launches.append(Launch(k, {"w": wb, "x": xb, "y": yb, "wdq": wdq[-1]}, names))
-            values.update({f"{s}_{v}": v for s, v in at.items()})
-        t = seconds(dev.program(launches), values, 5)
+        wdq = dev.alloc(ops.prefill_scratch(fmt, rows, cols, T) * 4)
+        launches, values = prefill_launches(dev, fmt, rows, cols, T, wb, xb, yb, wdq)
+        t = seconds(dev.program(launches), {**values, "n_tokens": n, "t0": 0}, 5)
         print(f"{fmt.name:4} {rows:5d} x {cols:5d}  {t * 1e3:6.2f} ms  {2 * rows * cols * n / t / 1e9:5.1f} GFLOP/s")
-        for b in (wb, xb, yb, *wdq):
+        for b in (wb, xb, yb, wdq):
             dev.free(b)
 
 
@@ -163,8 +169,7 @@ def ceiling(dev, rng, T=64):
           "fastest of 5 runs: " + " / ".join(f"{min(r):.1f}-{max(r):.1f}" for r in peaks) + " GFLOP/s")
     print("prefill matmul of 64 rows x 2,048 columns of Q4_K (from L2), 64 tokens (best of 15)")
     fmt, w = packed_tensor("Q4_K", 64, 2048, rng)
-    k = ops.prefill_matmul(fmt, 64, 2048, T, groups=ops.tile_groups(dev.caps.registers),
-                           tokens=ops.tile_tokens(dev.caps.registers))
+    k = ops.prefill_matmul(fmt, 64, 2048, T, tile=ops.gemm_tile(dev.caps.registers))
     bufs = {"w": upload(dev, w), "x": upload(dev, rng.random(T * 2048, np.float32)), "y": dev.alloc(T * 64 * 4),
             "wdq": dev.alloc(k.buffers["wdq"].size * 4)}
     reps = max(1, 2 ** 28 // (64 * 2048 * T))
