@@ -2,7 +2,8 @@
 is installed, and decode's fraction of the machine's measured memory read bandwidth.
 
 Method, per thread count: one jitllm Engine and one llama.cpp context with that many threads, on the same file
-and the same prompt token ids; one warm-up run of each, then `repeats` runs interleaved A B A B; medians.
+and the same prompt token ids; one warm-up run of each, then `repeats` runs interleaved A B A B; medians, their
+ratio, and the lowest and highest ratio of a pair of runs taken back to back (how far the machine's drift moves it).
 Prompt tok/s = prompt tokens / prefill time; decode tok/s = decode steps / their time (greedy, EOS ignored).
 Read bandwidth: the engine's device summing a 256 MB f32 matrix with a kernel of its own, on the same threads
 (planner.bandwidth_meter), the best of 5 before the runs and of 2 after each, in the same run. Decode's fraction
@@ -113,6 +114,16 @@ def interleaved_runs(eng, peer, ids, decode_tokens, repeats, measure):
     return runs, max(marks)
 
 
+def pair_ratios(runs) -> dict:
+    """{"prompt_tok_s" / "decode_tok_s": (lowest, highest)} of jitllm's run i / llama.cpp's run i: each pair ran
+    back to back, so its ratio shows how far the machine's drift moves the ratio of medians; {} without a peer."""
+    pairs = list(zip(runs["jitllm"], runs["llama.cpp"]))
+    if not pairs:
+        return {}
+    ratios = {what: [j[i] / p[i] for j, p in pairs] for i, what in enumerate(("prompt_tok_s", "decode_tok_s"))}
+    return {what: (min(r), max(r)) for what, r in ratios.items()}
+
+
 def run_bench(model=None, devices=None, kv_dtype="f16", threads=(1, 2), prompt_tokens=37, decode_tokens=64,
               repeats=5, llama_cpp=True, out=None, activations="f32") -> list[dict]:
     """Measure, print the table on `out` (stdout) and return one dict per thread count (tok/s are medians)."""
@@ -139,7 +150,7 @@ def run_bench(model=None, devices=None, kv_dtype="f16", threads=(1, 2), prompt_t
             if peer:
                 peer.close()
         row = {"threads": n, "bandwidth_Bps": bandwidth, "bytes_per_token": bytes_per_token,
-               "tuned": {d.name: dict(d.tuned) for d in eng.devices.values()}}
+               "tuned": {d.name: dict(d.tuned) for d in eng.devices.values()}, "pair_ratios": pair_ratios(runs)}
         for name, ms in runs.items():
             if ms:
                 b = bytes_per_token[name]
@@ -180,6 +191,12 @@ def print_report(results, model_path, prompt_tokens, decode_tokens, repeats, out
                 for e in engines]
         rows.append(row)
     print_table(header, rows, file=out, right=range(len(header)))
+    spans = [f"{r['threads']} thread(s) " + ", ".join(f"{what.split('_')[0]} {lo:.2f}-{hi:.2f}x"
+                                                    for what, (lo, hi) in r["pair_ratios"].items())
+             for r in results if r.get("pair_ratios")]
+    if spans:
+        print("ratio of each pair of runs (jitllm's run i / llama.cpp's run i, back to back), lowest-highest: "
+              + "; ".join(spans), file=out)
     for r in results:
         for dev, tuned in r.get("tuned", {}).items():
             if tuned:

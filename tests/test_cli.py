@@ -107,7 +107,8 @@ def test_bench_report_ratios_and_bandwidth_fraction(capsys):
     results = [{"threads": 2, "bandwidth_Bps": 10e9, "bytes_per_token": {"jitllm": 100e6, "llama.cpp": 80e6},
                 "jitllm": {"prompt_tok_s": 300.0, "decode_tok_s": 80.0, "bw_fraction": 0.85},
                 "llama.cpp": {"prompt_tok_s": 200.0, "decode_tok_s": 50.0, "bw_fraction": 0.44},
-                "tuned": {"cpu": {"matvec_R4K": {"prefetch": ()}}, "vulkan:0": {}}}]
+                "tuned": {"cpu": {"matvec_R4K": {"prefetch": ()}}, "vulkan:0": {}},
+                "pair_ratios": {"prompt_tok_s": (1.25, 1.75), "decode_tok_s": (1.5, 1.6)}}]
     bench.print_report(results, "m.gguf", 37, 64, 5, None)
     out = capsys.readouterr().out
     header, row = [line for line in out.splitlines() if re.match(r"\s*(threads|2)\s", line)]
@@ -119,6 +120,15 @@ def test_bench_report_ratios_and_bandwidth_fraction(capsys):
     assert "jitllm 100.0 MB" in out and "llama.cpp 80.0 MB" in out
     assert "lowering options tuned on this machine, cpu at 2 thread(s): matvec_R4K {'prefetch': ()}" in out
     assert "vulkan:0 at" not in out  # a device that tunes nothing says nothing
+    assert "lowest-highest: 2 thread(s) prompt 1.25-1.75x, decode 1.50-1.60x" in out
+
+
+def test_bench_pair_ratios_span_the_runs_taken_back_to_back():
+    bench = pytest.importorskip("jitllm_core.bench")
+    runs = {"jitllm": [(100.0, 40.0, 9e9), (90.0, 30.0, 8e9), (120.0, 45.0, 9e9)],
+            "llama.cpp": [(100.0, 20.0, 9e9), (60.0, 30.0, 8e9), (100.0, 30.0, 9e9)]}
+    assert bench.pair_ratios(runs) == {"prompt_tok_s": (1.0, 1.5), "decode_tok_s": (1.0, 2.0)}
+    assert bench.pair_ratios({"jitllm": runs["jitllm"], "llama.cpp": []}) == {}  # no peer: no pairs
 
 
 def test_bench_pairs_each_run_with_the_bandwidth_measured_beside_it(monkeypatch):
