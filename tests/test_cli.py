@@ -1,4 +1,5 @@
 """The `jitllm` command line: devices, plan, errors, and the formatting of bench."""
+import importlib.util
 import io
 import json
 import re
@@ -129,6 +130,24 @@ def test_bench_pair_ratios_span_the_runs_taken_back_to_back():
             "llama.cpp": [(100.0, 20.0, 9e9), (60.0, 30.0, 8e9), (100.0, 30.0, 9e9)]}
     assert bench.pair_ratios(runs) == {"prompt_tok_s": (1.0, 1.5), "decode_tok_s": (1.0, 2.0)}
     assert bench.pair_ratios({"jitllm": runs["jitllm"], "llama.cpp": []}) == {}  # no peer: no pairs
+
+
+def test_targets_script_checks_each_row_against_its_target():
+    """benchmarks/targets.py: the 1B shape's decode ratio (1.2x) and bandwidth (80 %), and the 256-token prompt's
+    ratio, per thread count; a row under a target is reported missed."""
+    pytest.importorskip("jitllm_core.bench")
+    spec = importlib.util.spec_from_file_location("targets", Path(__file__).parents[1] / "benchmarks" / "targets.py")
+    targets = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(targets)
+    row = lambda threads, decode, prompt, bw: {
+        "threads": threads, "bandwidth_Bps": 40e9, "jitllm": {"prompt_tok_s": prompt, "decode_tok_s": decode,
+                                                             "bw_fraction": bw},
+        "llama.cpp": {"prompt_tok_s": 100.0, "decode_tok_s": 30.0, "bw_fraction": 0.6},
+        "pair_ratios": {"prompt_tok_s": (0.9, 1.1), "decode_tok_s": (1.1, 1.3)}}
+    checks = targets.bench_targets("1B shape", 256, [row(1, 37.5, 101.0, 0.85), row(2, 35.0, 99.0, 0.79)])
+    assert [held for _, _, held in checks] == [True, True, True, False, False, False]
+    assert checks[0][1] == "1.25x (pairs 1.10-1.30x)" and "2 thread(s)" in checks[3][0]
+    assert len(targets.bench_targets("1B shape", 32, [row(1, 37.5, 101.0, 0.85)])) == 2  # no prompt target
 
 
 def test_bench_pairs_each_run_with_the_bandwidth_measured_beside_it(monkeypatch):
