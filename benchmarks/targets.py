@@ -7,6 +7,7 @@ model (both set up as docs/benchmarks.md's Reproduce says); about 6 minutes on 2
     python benchmarks/targets.py [--one-b PATH] [--repeats-times N]
 """
 import argparse
+import importlib.util
 import os
 import sys
 
@@ -54,6 +55,8 @@ def main():
     args = ap.parse_args()
     if not os.path.isfile(args.one_b):
         raise SystemExit(f"targets: {args.one_b} does not exist (python scripts/make_bench_model.py makes it)")
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise SystemExit("targets: llama-cpp-python is not installed (pip install llama-cpp-python==0.3.36)")
     checks = []
     for name, prompt, decode, repeats in RUNS:
         print(f"\n== {name}, {prompt}-token prompt", flush=True)
