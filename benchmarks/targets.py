@@ -2,7 +2,7 @@
 runs it (SmolLM2 at 37 and 256 prompt tokens, the 1B shape at 32 and 256; 1 and 2 threads), the cold and warm
 start (startup.py) and the logits against transformers' (accuracy.py). Prints each run's table as bench does,
 then every target with what this run measured and whether it holds. Needs llama-cpp-python and the 1B-shaped
-model (both set up as docs/benchmarks.md's Reproduce says); about 6 minutes on 2 cores.
+model (both set up as docs/benchmarks.md's Reproduce says); 2-3 minutes on 2 cores.
 
     python benchmarks/targets.py [--one-b PATH] [--repeats-times N]
 """
@@ -28,6 +28,12 @@ COLD_S, FIRST_TOKEN_S = 10.0, 0.5  # Engine() and the first token with an empty 
 LOGITS = {"f32": 1e-3, "f16": 5e-2}  # |logit - transformers'| in the exact mode, by KV cache dtype
 
 
+def ratio_check(row, what, least, target):
+    """(target, measured, holds) of jitllm's median `what` against llama.cpp's in one bench row."""
+    x = row["jitllm"][what] / row["llama.cpp"][what]
+    return target, "{:.2f}x (pairs {:.2f}-{:.2f}x)".format(x, *row["pair_ratios"][what]), x >= least
+
+
 def bench_targets(name, prompt_tokens, rows):
     """(target, measured, holds) of one bench run's rows (one per thread count)."""
     out = []
@@ -35,16 +41,14 @@ def bench_targets(name, prompt_tokens, rows):
         if "llama.cpp" not in r:
             raise SystemExit("targets: llama.cpp was not measured (see the note above); the ratios need it")
         where = f"{name}, {prompt_tokens}-token prompt, {r['threads']} thread(s)"
-        def ratio(what, least, target):
-            x = r["jitllm"][what] / r["llama.cpp"][what]
-            return target, "{:.2f}x (pairs {:.2f}-{:.2f}x)".format(x, *r["pair_ratios"][what]), x >= least
-        out.append(ratio("decode_tok_s", DECODE_RATIO[name], f"decode >= {DECODE_RATIO[name]}x llama.cpp, {where}"))
+        least = DECODE_RATIO[name]
+        out.append(ratio_check(r, "decode_tok_s", least, f"decode >= {least}x llama.cpp, {where}"))
         if name == "1B shape":
             f = r["jitllm"]["bw_fraction"]
             out.append((f"decode >= {BANDWIDTH:.0%} of the read bandwidth, {where}",
                         f"{f:.0%} of {r['bandwidth_Bps'] / 1e9:.1f} GB/s", f >= BANDWIDTH))
         if prompt_tokens == PROMPT_TOKENS:
-            out.append(ratio("prompt_tok_s", PROMPT_RATIO, f"prompt >= {PROMPT_RATIO}x llama.cpp, {where}"))
+            out.append(ratio_check(r, "prompt_tok_s", PROMPT_RATIO, f"prompt >= {PROMPT_RATIO}x llama.cpp, {where}"))
     return out
 
 
