@@ -12,7 +12,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from reference import reference_logits  # noqa: E402  (transformers loading the GGUF)
+from reference import step_and_prompt_logits  # noqa: E402  (transformers loading the GGUF)
 
 import jitllm_core as jl  # noqa: E402
 
@@ -30,10 +30,7 @@ def logit_errors(model=None, device="cpu", activations="f32", kv_dtype="f32"):
     eng = jl.Engine(model, devices=[device], kv_dtype=kv_dtype, activations=activations, max_context=512)
     try:
         ids = (eng.tokenizer.encode(PROMPT) * 3)[:48]
-        ref = reference_logits(eng.model_path, ids)
-        with eng.session() as s:
-            steps = np.concatenate([s.feed([t]) for t in ids])
-        prefill = eng.score(ids)
+        ref, steps, prefill = step_and_prompt_logits(eng, eng.model_path, ids)
         agree = (steps.argmax(1) == ref.argmax(1)).mean()
         return len(ids), np.abs(steps - ref).max(), np.abs(prefill - ref).max(), agree
     finally:

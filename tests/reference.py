@@ -22,13 +22,19 @@ def reference_logits(path, ids):
         return transformers_model(path)(torch.tensor([ids])).logits[0].numpy()
 
 
-def step_and_prompt_errors(eng, path, ids):
-    """Largest differences from transformers' logits of eng's, fed ids token by token (decode steps) and all at
-    once (a prompt)."""
+def step_and_prompt_logits(eng, path, ids):
+    """transformers' logits of ids, and eng's, fed them token by token (decode steps) and all at once (a prompt)."""
     want = reference_logits(path, ids)
     with eng.session() as s:
         steps = np.concatenate([s.feed([t]) for t in ids])
-    return np.abs(steps - want).max(), np.abs(eng.score(ids) - want).max()
+    return want, steps, eng.score(ids)
+
+
+def step_and_prompt_errors(eng, path, ids):
+    """Largest differences from transformers' logits of eng's, fed ids token by token (decode steps) and all at
+    once (a prompt)."""
+    want, steps, prompt = step_and_prompt_logits(eng, path, ids)
+    return np.abs(steps - want).max(), np.abs(prompt - want).max()
 
 
 def agreeing_prefix(ref_logits, got_tokens, start, margin=0.05):
