@@ -226,9 +226,10 @@ def _slice_scratch(G: int, blk: int, width: int, T: int) -> int:
 
 def prefill_scratch(fmt: Format, rows: int, width: int, T: int) -> int:
     """f32 elements of a prefill matmul's `wdq` scratch: each slice's (`_slice_scratch`), for a tile of as many
-    row groups as any device's (`gemm_tile`: at most GEMM_GROUPS)."""
+    row groups as any device's (`gemm_tile`: GEMM_WIDE's or at most GEMM_GROUPS)."""
+    most = max(GEMM_GROUPS, GEMM_WIDE[0])
     return max(s * _slice_scratch(G, blk, width, T) for G, blk, s in (_prefill_tiles(fmt, rows, width, g)
-                                                                      for g in range(1, GEMM_GROUPS + 1)))
+                                                                      for g in range(1, most + 1)))
 
 
 @functools.cache
