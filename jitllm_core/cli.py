@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("run", parents=[engine, threads, sampling], help="generate a reply to one prompt")
-    p.add_argument("-p", "--prompt", help="the prompt (default: read from stdin)")
+    p.add_argument("text", nargs="?", metavar="PROMPT", help="the prompt (or -p PROMPT; default: read from stdin)")
+    p.add_argument("-p", "--prompt", help="the prompt")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--chat", dest="chat", action="store_true", default=True,
                       help="wrap the prompt in the model's chat template (default)")
@@ -143,8 +144,13 @@ def open_engine(args):
 
 
 def sampling_options(args) -> dict:
-    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                seed=args.seed)
+    """The sampling options, checked before a model is loaded."""
+    from .sampler import check_options
+
+    options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                   seed=args.seed)
+    check_options(**options)
+    return options
 
 
 def stream_to(out, events, on_token=None) -> tuple[str, bool]:
@@ -169,17 +175,20 @@ def stream_to(out, events, on_token=None) -> tuple[str, bool]:
 # ------------------------------------------------------------------------------------------------ run
 
 def cmd_run(args) -> int:
-    prompt = args.prompt
+    if args.prompt is not None and args.text is not None:
+        raise JitllmError("two prompts: give it with -p PROMPT or as the last argument, not both")
+    prompt = args.prompt if args.prompt is not None else args.text
     if prompt is None:
         if sys.stdin.isatty():
-            raise JitllmError("no prompt: give one with -p PROMPT or on stdin")
+            raise JitllmError("no prompt: give one as the last argument, with -p PROMPT or on stdin")
         prompt = sys.stdin.read()
+    options = sampling_options(args)
     eng = open_engine(args)
     try:
         if args.chat:
-            events = eng.chat([{"role": "user", "content": prompt}], stream=True, **sampling_options(args))
+            events = eng.chat([{"role": "user", "content": prompt}], stream=True, **options)
         else:
-            events = eng.generate(prompt, stream=True, **sampling_options(args))
+            events = eng.generate(prompt, stream=True, **options)
         _, interrupted = stream_to(sys.stdout, events)
         if interrupted:
             print("[stopped]", file=sys.stderr)
@@ -201,9 +210,10 @@ def summary(result) -> str:
 # ------------------------------------------------------------------------------------------------ chat
 
 def cmd_chat(args) -> int:
+    options = sampling_options(args)
     eng = open_engine(args)
     try:
-        return ChatSession(eng, sampling_options(args)).loop()
+        return ChatSession(eng, options).loop()
     finally:
         eng.close()
 

@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import faults, ir, ops, quant, registry, tuning
-from .errors import ContextLimitError, JitllmError
+from .errors import ContextLimitError, JitllmError, check_whole
 from .kvcache import PagePool, Sequence
 from .llama import Llama, ModelFile, interleaves, rope_table
 from .memory import Arena
 from .models import default_model_path
 from .placement import device_name, resolve
 from .plugin import Launch
-from .sampler import Sampler
+from .sampler import Sampler, check_options
 from .tokenizer import StreamDecoder
 
 # tokens per step (prefill chunk): a prefill matmul dequantizes each block of weights once a step, for all its
@@ -105,6 +105,9 @@ class Engine:
             raise JitllmError(f"kv_dtype must be 'f16' or 'f32', not {kv_dtype!r}")
         if activations not in ACTIVATION_DIGITS:
             raise JitllmError(f"activations must be 'f32' or 'int8', not {activations!r}")
+        for name, v in (("threads", threads), ("max_context", max_context)):
+            if v is not None:  # None: all cores, the model's context (at most DEFAULT_CONTEXT)
+                check_whole(name, v, 1)
         self.model_path = str(model) if model is not None else default_model_path()
         self.progress = progress or (lambda stage, done, total: None)
         self.mf = ModelFile(self.model_path)
@@ -443,6 +446,7 @@ class Engine:
 
     def generate(self, prompt, max_tokens=256, temperature=0.0, top_k=0, top_p=1.0, seed=None, stop=None,
                  ignore_eos=False, stream=False):
+        check_options(max_tokens=max_tokens)
         it = self._generate(self._encode(prompt), max_tokens, Sampler(temperature, top_k, top_p, seed),
                             [stop] if isinstance(stop, str) else list(stop or []), ignore_eos)
         if stream:

@@ -1,4 +1,5 @@
 """Errors jitllm raises on purpose: each names what was wrong and where."""
+import numbers
 
 
 class JitllmError(Exception):
@@ -19,3 +20,9 @@ class BackendError(JitllmError):
 
 class ContextLimitError(JitllmError):
     """The sequence reached the model's (or engine's) context length."""
+
+
+def check_whole(name, value, least):
+    """Refuse a parameter that is not a whole number >= least (a bool, a float, a string), naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise JitllmError(f"{name} must be a whole number >= {least}, not {value!r}")

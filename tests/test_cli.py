@@ -75,13 +75,34 @@ def test_bad_model_path_is_a_clean_error(tmp_path, capsys, content):
     assert "Traceback" not in err
 
 
-def test_run_streams_a_reply_and_a_summary(capsys):
+@pytest.mark.parametrize("prompt", [["-p", "The capital of France is"], ["The capital of France is"]],
+                         ids=["option", "argument"])
+def test_run_streams_a_reply_and_a_summary(capsys, prompt):
     pytest.importorskip("jitllm_core.engine")
     pytest.importorskip("jitllm_cpu_llvm")
-    assert main(["run", "--raw", "-p", "The capital of France is", "--max-tokens", "4", "--device", "cpu"]) == 0
+    assert main(["run", "--raw", *prompt, "--max-tokens", "4", "--device", "cpu"]) == 0
     captured = capsys.readouterr()
     assert captured.out.endswith("\n")
     assert re.search(r"prompt tokens at .* tok/s; finish: (length|eos)\]", captured.err), captured.err
+
+
+@pytest.mark.parametrize("args,problem", [
+    (["--max-tokens", "-1"], "max_tokens must be a whole number >= 0, not -1"),
+    (["--temperature", "-0.5"], "temperature must be a finite number >= 0"),
+    (["--temperature", "inf"], "temperature must be a finite number >= 0"),
+    (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--top-k", "-3"], "top_k must be a whole number >= 0"),
+    (["--seed", "-1"], "seed must be a whole number >= 0"),
+    (["-p", "hi"], "two prompts"),
+])
+def test_bad_run_options_are_refused_before_the_model_loads(tmp_path, capsys, args, problem):
+    """The model named does not exist: the option's error, not the file's, shows it was checked first."""
+    missing = tmp_path / "never-opened.gguf"
+    assert main(["run", "-m", str(missing), *args, "hello"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jitllm: error: ") and problem in err and "never-opened" not in err, err
+    assert "Traceback" not in err
 
 
 def test_chat_session_commands(monkeypatch, capsys, default_model):

@@ -188,6 +188,19 @@ def test_stop_strings_and_sampling(engines):
     assert a == b
 
 
+def test_meaningless_options_are_refused_by_name(engines, default_model):
+    eng = engines["f16"]
+    for kw, problem in [(dict(max_tokens=-1), "max_tokens"), (dict(max_tokens=2.5), "max_tokens"),
+                        (dict(temperature=float("nan")), "temperature"), (dict(top_p=0.0), "top_p"),
+                        (dict(top_k=-1), "top_k"), (dict(seed=-2), "seed")]:
+        with pytest.raises(jl.JitllmError, match=f"^{problem} must be"):
+            eng.generate("Hi", stream=True, **kw)  # refused at the call, not when the stream is read
+    assert eng.generate("Hi", max_tokens=0).token_ids == []
+    for kw in (dict(threads=0), dict(threads=1.5), dict(max_context=0)):
+        with pytest.raises(jl.JitllmError, match=f"^{next(iter(kw))} must be a whole number >= 1"):
+            jl.Engine(default_model, devices=["cpu"], **kw)
+
+
 def test_context_limit_is_reported(default_model, cpu):
     eng = jl.Engine(default_model, devices=["cpu"], max_context=40)
     r = eng.generate("Write a long essay about rivers.", max_tokens=100, ignore_eos=True)

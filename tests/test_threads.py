@@ -85,3 +85,12 @@ def test_profile_times_launches_on_their_own_without_timed_programs(two_threads,
     assert how == ON_ITS_OWN and len(seconds) == 2 and all(s > 0 for s in seconds)
     assert np.array_equal(dev.download(a).view(np.float32), np.full(64, 2, np.float32))
     dev.free(a), dev.free(b)
+
+
+@pytest.mark.parametrize("var,value", [("JITLLM_THREADS", "two"), ("JITLLM_THREADS", "0"),
+                                       ("JITLLM_CPU_DEVICES", "-1")])
+def test_a_bad_thread_variable_is_named_where_the_cpu_is_listed(monkeypatch, var, value):
+    runtime = pytest.importorskip("jitllm_cpu_llvm.runtime")
+    monkeypatch.setenv(var, value)
+    with pytest.raises(jl.JitllmError, match=f"^{var}='{value}': must be a whole number"):
+        runtime.make_devices()

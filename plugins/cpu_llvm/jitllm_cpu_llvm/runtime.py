@@ -20,7 +20,7 @@ import numpy as np
 
 from jitllm_core.cache import cache_dir, digest, write_atomic
 from jitllm_core.errors import BackendError
-from jitllm_core.plugin import Buffer, Caps, Device, Program
+from jitllm_core.plugin import BackendUnavailable, Buffer, Caps, Device, Program
 
 from . import emulation, lower
 
@@ -355,10 +355,20 @@ def total_memory():
         return 8 << 30
 
 
+def env_count(name, least):
+    """The whole number in environment variable `name` (None when unset or empty), refused below `least`."""
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return None
+    if not v.isdigit() or int(v) < least:
+        raise BackendUnavailable(f"{name}={v!r}: must be a whole number >= {least}")
+    return int(v)
+
+
 def make_devices(threads=None):
     """`cpu`, or with JITLLM_CPU_DEVICES=N, N partitions cpu:0..cpu:N-1 with their own arenas and threads."""
-    threads = int(threads or os.environ.get("JITLLM_THREADS") or os.cpu_count() or 1)
-    n = int(os.environ.get("JITLLM_CPU_DEVICES") or 0)
+    threads = int(threads or env_count("JITLLM_THREADS", 1) or os.cpu_count() or 1)
+    n = env_count("JITLLM_CPU_DEVICES", 0) or 0
     if n <= 0:
         return [CpuDevice("cpu", threads, total_memory())]
     return [CpuDevice(f"cpu:{i}", max(1, threads // n), total_memory() // n) for i in range(n)]
