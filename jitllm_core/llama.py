@@ -37,6 +37,28 @@ class Config:
     bias: bool = False
     rope_scaling: dict = field(default_factory=dict)
 
+    def check(self, where, keys):
+        """Refuse values no model has (a zero head count, a NaN epsilon...), naming the file and the key each
+        came from (keys: field -> key); they would otherwise divide by zero or turn every logit into NaN."""
+        for f in ("n_layer", "dim", "n_head", "n_kv", "head_dim", "ffn", "vocab", "context"):
+            least = 0 if f == "n_layer" else 1
+            if getattr(self, f) < least:
+                raise ModelFileError(where, f"{keys[f]} is {getattr(self, f)}; it must be at least {least}")
+        if not math.isfinite(self.eps) or self.eps < 0:
+            raise ModelFileError(where, f"{keys['eps']} is {self.eps}; it must be a finite number >= 0")
+        if not math.isfinite(self.rope_base) or self.rope_base <= 0:
+            raise ModelFileError(where, f"{keys['rope_base']} is {self.rope_base}; it must be a finite number > 0")
+
+
+def _number(where, key, value, kind):
+    """A config value as kind (int or float), or an error naming the key: files may hold a string there."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int and ok and isinstance(value, float):
+        ok = value.is_integer()
+    if not ok:
+        raise ModelFileError(where, f"{key} is {value!r}; {'a whole number' if kind is int else 'a number'} is needed")
+    return kind(value)
+
 
 @dataclass
 class Tensor:
@@ -86,21 +108,28 @@ class ModelFile(_Tensors):
         arch = g.get("general.architecture")
         if arch not in ("llama", "qwen2"):
             raise ModelFileError(self.path, f"architecture {arch!r} is not supported (llama, qwen2)")
-        p = lambda key, *d: g.get(f"{arch}.{key}", *d)
-        n_head = int(p("attention.head_count"))
-        dim = int(p("embedding_length"))
+        p = lambda key, kind, *d: _number(self.path, f"{arch}.{key}", g.get(f"{arch}.{key}", *d), kind)
+        n_head = p("attention.head_count", int)
+        dim = p("embedding_length", int)
         emb = g.tensors.get("token_embd.weight")
         if emb is None:
             raise ModelFileError(self.path, "missing tensor 'token_embd.weight'")
         self.config = Config(
-            n_layer=int(p("block_count")), dim=dim, n_head=n_head,
-            n_kv=int(p("attention.head_count_kv", n_head)),
-            head_dim=int(p("rope.dimension_count", dim // n_head)), ffn=int(p("feed_forward_length")),
-            vocab=int(emb.shape[0]), eps=float(p("attention.layer_norm_rms_epsilon")),
-            rope_base=float(p("rope.freq_base", 10000.0)), context=int(p("context_length")),
-            bias=arch == "qwen2")
+            n_layer=p("block_count", int), dim=dim, n_head=n_head, n_kv=p("attention.head_count_kv", int, n_head),
+            head_dim=p("rope.dimension_count", int, dim // n_head if n_head > 0 else 0),
+            ffn=p("feed_forward_length", int), vocab=int(emb.shape[0]), eps=p("attention.layer_norm_rms_epsilon", float),
+            rope_base=p("rope.freq_base", float, 10000.0), context=p("context_length", int), bias=arch == "qwen2")
+        self.config.check(self.path, dict(
+            n_layer=f"{arch}.block_count", dim=f"{arch}.embedding_length", n_head=f"{arch}.attention.head_count",
+            n_kv=f"{arch}.attention.head_count_kv", head_dim=f"{arch}.rope.dimension_count",
+            ffn=f"{arch}.feed_forward_length", vocab="the rows of token_embd.weight",
+            eps=f"{arch}.attention.layer_norm_rms_epsilon", rope_base=f"{arch}.rope.freq_base",
+            context=f"{arch}.context_length"))
         self.tensors = {n: Tensor(n, t.shape, t.type_name, (lambda n=n: g.raw(n))) for n, t in g.tensors.items()}
         self.tokenizer = Tokenizer.from_gguf(g)
+        if self.tokenizer.vocab_size > self.config.vocab:  # the embedding would be read past its last row
+            raise ModelFileError(self.path, f"the tokenizer has {self.tokenizer.vocab_size} tokens but "
+                                            f"token_embd.weight only {self.config.vocab} rows")
 
     # -- HF safetensors folder
     HF_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -115,21 +144,29 @@ class ModelFile(_Tensors):
         c = st.config
         where = self.path / "config.json"
 
-        def need(key):
-            if key not in c:
-                raise ModelFileError(where, f"missing key {key!r}")
-            return c[key]
+        def need(key, kind=None, default=None):
+            """c[key] as kind; a key missing or null takes the default, if there is one."""
+            v = c.get(key)
+            if v is None:
+                if default is None:
+                    raise ModelFileError(where, f"missing key {key!r}")
+                v = default
+            return v if kind is None else _number(where, key, v, kind)
         if need("model_type") not in ("llama", "qwen2", "mistral"):
             raise ModelFileError(where, f"model_type {c['model_type']!r} is not supported")
-        n_head = int(need("num_attention_heads"))
+        n_head, dim = need("num_attention_heads", int), need("hidden_size", int)
         self.config = Config(
-            n_layer=int(need("num_hidden_layers")), dim=int(need("hidden_size")), n_head=n_head,
-            n_kv=int(c.get("num_key_value_heads", n_head)),
-            head_dim=int(c.get("head_dim") or need("hidden_size") // n_head), ffn=int(need("intermediate_size")),
-            vocab=int(need("vocab_size")), eps=float(need("rms_norm_eps")), rope_base=float(c.get("rope_theta", 1e4)),
-            context=int(c.get("max_position_embeddings", 4096)), bias=c["model_type"] == "qwen2",
-            rope_scaling=c.get("rope_scaling") or {})
+            n_layer=need("num_hidden_layers", int), dim=dim, n_head=n_head,
+            n_kv=need("num_key_value_heads", int, n_head),
+            head_dim=need("head_dim", int, dim // n_head if n_head > 0 else 0),
+            ffn=need("intermediate_size", int), vocab=need("vocab_size", int), eps=need("rms_norm_eps", float),
+            rope_base=need("rope_theta", float, 1e4), context=need("max_position_embeddings", int, 4096),
+            bias=c["model_type"] == "qwen2", rope_scaling=c.get("rope_scaling") or {})
         cfg = self.config
+        cfg.check(where, dict(n_layer="num_hidden_layers", dim="hidden_size", n_head="num_attention_heads",
+                              n_kv="num_key_value_heads", head_dim="head_dim", ffn="intermediate_size",
+                              vocab="vocab_size", eps="rms_norm_eps", rope_base="rope_theta",
+                              context="max_position_embeddings"))
         self.tensors = {}
 
         def add(gguf_name, hf_name, permute_heads=0):

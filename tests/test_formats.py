@@ -290,3 +290,65 @@ def test_safetensors_duplicate_across_shards(tmp_path):
     folder = hf_folder(tmp_path, {"a.safetensors": safetensors_bytes({"w": ("F32", W)}),
                                   "b.safetensors": safetensors_bytes({"w": ("F32", W)})})
     expect_error(folder / "b.safetensors", "duplicate tensor name 'w'", opener=lambda p: SafetensorsFolder(p.parent))
+
+
+# --- model configurations: values no model has are refused by name, before they divide by zero or make NaNs ---
+
+LLAMA_KV = {"llama.block_count": (U32, 1), "llama.context_length": (U32, 64), "llama.embedding_length": (U32, 8),
+            "llama.feed_forward_length": (U32, 16), "llama.attention.head_count": (U32, 2),
+            "llama.attention.layer_norm_rms_epsilon": (F32, 1e-5)}
+TOKENS = [("tokenizer.ggml.model", STRING, "llama"), ("tokenizer.ggml.tokens", ARRAY, (STRING, ["<unk>", "a", "b"])),
+          ("tokenizer.ggml.scores", ARRAY, (F32, [0.0, 0.0, 0.0]))]
+
+
+def llama_gguf(tmp_path, embd_rows=3, **changes):
+    """A llama GGUF with its config, its tokenizer and a token_embd.weight of embd_rows x 8 (all ModelFile reads
+    when it opens a file); changes: key -> (type, value) or None to leave the key out."""
+    kv = {**LLAMA_KV, **changes}
+    kv = [("general.architecture", STRING, "llama")] + [(k, *v) for k, v in kv.items() if v is not None] + TOKENS
+    return write(tmp_path, gguf_bytes(kv, [("token_embd.weight", (8, embd_rows), 0, 0)]))
+
+
+def test_a_valid_config_opens(tmp_path):
+    from jitllm_core.llama import ModelFile
+    cfg = ModelFile(llama_gguf(tmp_path)).config
+    assert (cfg.n_layer, cfg.dim, cfg.n_head, cfg.n_kv, cfg.head_dim, cfg.vocab) == (1, 8, 2, 2, 4, 3)
+
+
+@pytest.mark.parametrize("changes, problem", [
+    ({"llama.attention.head_count": (U32, 0)}, "llama.attention.head_count is 0; it must be at least 1"),
+    ({"llama.attention.head_count_kv": (U32, 0)}, "llama.attention.head_count_kv is 0; it must be at least 1"),
+    ({"llama.context_length": (U32, 0)}, "llama.context_length is 0"),
+    ({"llama.embedding_length": (U32, 0)}, "llama.embedding_length is 0"),
+    ({"llama.attention.layer_norm_rms_epsilon": (F32, float("nan"))}, "layer_norm_rms_epsilon is nan"),
+    ({"llama.attention.layer_norm_rms_epsilon": (F32, -1.0)}, "layer_norm_rms_epsilon is -1.0"),
+    ({"llama.rope.freq_base": (F32, 0.0)}, "llama.rope.freq_base is 0.0; it must be a finite number > 0"),
+    ({"llama.attention.head_count": (STRING, "two")}, "llama.attention.head_count is 'two'; a whole number"),
+    ({"llama.block_count": (ARRAY, (U32, [1, 2]))}, "llama.block_count is [1, 2]; a whole number"),
+    ({"llama.attention.layer_norm_rms_epsilon": (STRING, "tiny")}, "layer_norm_rms_epsilon is 'tiny'; a number"),
+])
+def test_a_config_value_no_model_has_is_named(tmp_path, changes, problem):
+    from jitllm_core.llama import ModelFile
+    expect_error(llama_gguf(tmp_path, **changes), problem, opener=ModelFile)
+
+
+def test_more_tokens_than_embedding_rows_is_refused(tmp_path):
+    from jitllm_core.llama import ModelFile
+    expect_error(llama_gguf(tmp_path, embd_rows=2), "the tokenizer has 3 tokens but token_embd.weight only 2 rows",
+                 opener=ModelFile)
+
+
+@pytest.mark.parametrize("changes, problem", [
+    ({"num_attention_heads": 0}, "num_attention_heads is 0; it must be at least 1"),
+    ({"rms_norm_eps": "1e-5"}, "rms_norm_eps is '1e-5'; a number is needed"),
+    ({"hidden_size": 8.5}, "hidden_size is 8.5; a whole number is needed"),
+    ({"rope_theta": -1}, "rope_theta is -1.0"),
+    ({"vocab_size": None}, "missing key 'vocab_size'"),
+])
+def test_a_config_json_value_no_model_has_is_named(tmp_path, changes, problem):
+    from jitllm_core.llama import ModelFile
+    folder = hf_folder(tmp_path, {"model.safetensors": safetensors_bytes({"w": ("F32", W)})})
+    config = {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 8, "num_attention_heads": 2,
+              "intermediate_size": 16, "vocab_size": 3, "rms_norm_eps": 1e-5, **changes}
+    (folder / "config.json").write_text(json.dumps(config))
+    expect_error(folder / "config.json", problem, opener=lambda p: ModelFile(p.parent))
