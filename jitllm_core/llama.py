@@ -60,6 +60,50 @@ def _number(where, key, value, kind):
     return kind(value)
 
 
+# rope scalings computed here -> their parameters, with the default of each that may be left out (None: required)
+ROPE_SCALINGS = {"linear": {"factor": None},
+                 "llama3": {"factor": None, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192}}
+
+
+def _rope_scaling(where, key, s):
+    """The rope scaling a model asks for, as {"rope_type": kind, parameter: float}; {} for none. A kind not
+    computed here (yarn, dynamic, longrope...) is refused: left out, it would give wrong logits silently."""
+    if not s:
+        return {}
+    if not isinstance(s, dict):
+        raise ModelFileError(where, f"{key} is {s!r}; a table of rope scaling parameters is needed")
+    kind = s.get("rope_type", s.get("type"))
+    if kind in (None, "default", "none"):
+        return {}
+    if kind not in ROPE_SCALINGS:
+        raise ModelFileError(where, f"{key}: rope scaling {kind!r} is not supported ({', '.join(ROPE_SCALINGS)} are)")
+    out = {"rope_type": kind}
+    for name, default in ROPE_SCALINGS[kind].items():
+        v = s.get(name, default)
+        if v is None:
+            raise ModelFileError(where, f"{key}: rope scaling {kind!r} needs {name!r}")
+        out[name] = _number(where, f"{key}.{name}", v, float)
+        if not math.isfinite(out[name]) or out[name] <= 0:
+            raise ModelFileError(where, f"{key}.{name} is {v!r}; it must be a finite number > 0")
+    if kind == "llama3" and out["high_freq_factor"] <= out["low_freq_factor"]:
+        raise ModelFileError(where, f"{key}: high_freq_factor must be above low_freq_factor")
+    return out
+
+
+def _hf_rope(where, c):
+    """(the key of rope theta, its value, the rope scaling) from a config.json: transformers 5 writes theta and the
+    scaling into one rope_parameters table, earlier versions rope_theta and rope_scaling at the top."""
+    key = "rope_parameters" if "rope_parameters" in c else "rope_scaling"
+    table = c.get(key) or {}
+    scaling = _rope_scaling(where, key, table)  # also refuses a table that is not one
+    if key == "rope_parameters":
+        theta_key, theta = "rope_parameters.rope_theta", table.get("rope_theta")
+    else:
+        theta_key, theta = "rope_theta", c.get("rope_theta")
+    return theta_key, _number(where, theta_key, 1e4 if theta is None else theta, float), scaling
+
+
 @dataclass
 class Tensor:
     name: str
@@ -118,7 +162,8 @@ class ModelFile(_Tensors):
             n_layer=p("block_count", int), dim=dim, n_head=n_head, n_kv=p("attention.head_count_kv", int, n_head),
             head_dim=p("rope.dimension_count", int, dim // n_head if n_head > 0 else 0),
             ffn=p("feed_forward_length", int), vocab=int(emb.shape[0]), eps=p("attention.layer_norm_rms_epsilon", float),
-            rope_base=p("rope.freq_base", float, 10000.0), context=p("context_length", int), bias=arch == "qwen2")
+            rope_base=p("rope.freq_base", float, 10000.0), context=p("context_length", int), bias=arch == "qwen2",
+            rope_scaling=_rope_scaling(self.path, f"{arch}.rope.scaling", self._gguf_rope_scaling(arch)))
         self.config.check(self.path, dict(
             n_layer=f"{arch}.block_count", dim=f"{arch}.embedding_length", n_head=f"{arch}.attention.head_count",
             n_kv=f"{arch}.attention.head_count_kv", head_dim=f"{arch}.rope.dimension_count",
@@ -130,6 +175,14 @@ class ModelFile(_Tensors):
         if self.tokenizer.vocab_size > self.config.vocab:  # the embedding would be read past its last row
             raise ModelFileError(self.path, f"the tokenizer has {self.tokenizer.vocab_size} tokens but "
                                             f"token_embd.weight only {self.config.vocab} rows")
+
+    def _gguf_rope_scaling(self, arch):
+        """rope.scaling.type and .factor (or the older rope.scale_linear); Llama 3's scaling is instead baked
+        into a rope_freqs.weight tensor."""
+        g = self.gguf
+        factor = g.get(f"{arch}.rope.scaling.factor", None) or g.get(f"{arch}.rope.scale_linear", None)
+        kind = g.get(f"{arch}.rope.scaling.type", "linear" if factor else None)
+        return {"rope_type": kind, "factor": factor} if kind else {}
 
     # -- HF safetensors folder
     HF_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -155,17 +208,18 @@ class ModelFile(_Tensors):
         if need("model_type") not in ("llama", "qwen2", "mistral"):
             raise ModelFileError(where, f"model_type {c['model_type']!r} is not supported")
         n_head, dim = need("num_attention_heads", int), need("hidden_size", int)
+        theta_key, theta, scaling = _hf_rope(where, c)
         self.config = Config(
             n_layer=need("num_hidden_layers", int), dim=dim, n_head=n_head,
             n_kv=need("num_key_value_heads", int, n_head),
             head_dim=need("head_dim", int, dim // n_head if n_head > 0 else 0),
             ffn=need("intermediate_size", int), vocab=need("vocab_size", int), eps=need("rms_norm_eps", float),
-            rope_base=need("rope_theta", float, 1e4), context=need("max_position_embeddings", int, 4096),
-            bias=c["model_type"] == "qwen2", rope_scaling=c.get("rope_scaling") or {})
+            rope_base=theta, context=need("max_position_embeddings", int, 4096), bias=c["model_type"] == "qwen2",
+            rope_scaling=scaling)
         cfg = self.config
         cfg.check(where, dict(n_layer="num_hidden_layers", dim="hidden_size", n_head="num_attention_heads",
                               n_kv="num_key_value_heads", head_dim="head_dim", ffn="intermediate_size",
-                              vocab="vocab_size", eps="rms_norm_eps", rope_base="rope_theta",
+                              vocab="vocab_size", eps="rms_norm_eps", rope_base=theta_key,
                               context="max_position_embeddings"))
         self.tensors = {}
 
@@ -207,7 +261,10 @@ class ModelFile(_Tensors):
         inv = 1.0 / (cfg.rope_base ** (np.arange(0, cfg.head_dim, 2, dtype=np.float32) / cfg.head_dim))
         if "rope_freqs.weight" in self.tensors:
             inv = inv / self.f32("rope_freqs.weight", (half,))
-        elif cfg.rope_scaling.get("rope_type") == "llama3":
+        kind = cfg.rope_scaling.get("rope_type")
+        if kind == "linear":  # positions divided by the factor
+            inv = inv / cfg.rope_scaling["factor"]
+        elif kind == "llama3":
             inv = _llama3_scaling(inv, cfg.rope_scaling)
         return inv.astype(np.float32)
 

@@ -352,3 +352,41 @@ def test_a_config_json_value_no_model_has_is_named(tmp_path, changes, problem):
               "intermediate_size": 16, "vocab_size": 3, "rms_norm_eps": 1e-5, **changes}
     (folder / "config.json").write_text(json.dumps(config))
     expect_error(folder / "config.json", problem, opener=lambda p: ModelFile(p.parent))
+
+
+def test_rope_scaling_of_a_gguf(tmp_path):
+    from jitllm_core.llama import ModelFile
+    base = 1.0 / 10000.0 ** (np.arange(0, 4, 2) / 4)  # head size 8 / 2 heads = 4: two rotary pairs
+    assert np.allclose(ModelFile(llama_gguf(tmp_path)).rope_freqs(), base)
+    linear = {"llama.rope.scaling.type": (STRING, "linear"), "llama.rope.scaling.factor": (F32, 4.0)}
+    assert np.allclose(ModelFile(llama_gguf(tmp_path, **linear)).rope_freqs(), base / 4)
+    older = {"llama.rope.scale_linear": (F32, 2.0)}  # the key llama.cpp read before rope.scaling.*
+    assert np.allclose(ModelFile(llama_gguf(tmp_path, **older)).rope_freqs(), base / 2)
+    expect_error(llama_gguf(tmp_path, **{"llama.rope.scaling.type": (STRING, "yarn")}),
+                 "llama.rope.scaling: rope scaling 'yarn' is not supported (linear, llama3 are)", opener=ModelFile)
+
+
+@pytest.mark.parametrize("rope, want", [  # want: (theta, scaling), or the error's words
+    ({"rope_theta": 5e5}, (5e5, {})),  # before transformers 5: at the top
+    ({"rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}}, (5e5, {})),  # transformers 5
+    ({"rope_parameters": {"rope_theta": 5e5, "rope_type": "linear", "factor": 2}},
+     (5e5, {"rope_type": "linear", "factor": 2.0})),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, (1e4, {"rope_type": "linear", "factor": 2.0})),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+     (1e4, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192.0})),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling: rope scaling 'dynamic' is not"),
+    ({"rope_parameters": {"rope_theta": 5e5, "rope_type": "linear"}}, "rope scaling 'linear' needs 'factor'"),
+    ({"rope_parameters": {"rope_theta": "big"}}, "rope_parameters.rope_theta is 'big'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0}}, "above low_freq_factor"),
+])
+def test_rope_of_a_config_json(tmp_path, rope, want):
+    from jitllm_core.llama import ModelFile, _hf_rope
+    config = {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 8, "num_attention_heads": 2,
+              "intermediate_size": 16, "vocab_size": 3, "rms_norm_eps": 1e-5, **rope}
+    if isinstance(want, tuple):
+        assert _hf_rope(tmp_path / "config.json", config)[1:] == want
+        return
+    folder = hf_folder(tmp_path, {"model.safetensors": safetensors_bytes({"w": ("F32", W)})})
+    (folder / "config.json").write_text(json.dumps(config))
+    expect_error(folder / "config.json", want, opener=lambda p: ModelFile(p.parent))
