@@ -104,6 +104,25 @@ def _hf_rope(where, c):
     return theta_key, _number(where, theta_key, 1e4 if theta is None else theta, float), scaling
 
 
+def _sliding_window(where, c):
+    """The positions a config.json's sliding-window attention sees whole (none: no limit): up to the window it
+    equals full attention, so the context is capped there rather than computed wrong beyond it."""
+    window = c.get("sliding_window")
+    if window is None or (c["model_type"] == "qwen2" and not c.get("use_sliding_window")):
+        return 1 << 62
+    return _number(where, "sliding_window", window, int)
+
+
+def _refuse_unused(where, names):
+    """Weights the architecture does not read (an output bias, an MLP bias...) mean a model it would compute
+    wrong: refused rather than ignored."""
+    if names:
+        first = sorted(names)[0]
+        more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+        raise ModelFileError(where, f"tensor {first!r}{more} is not used by the architecture as jitllm computes it, "
+                                    "so this model is not supported")
+
+
 @dataclass
 class Tensor:
     name: str
@@ -171,6 +190,7 @@ class ModelFile(_Tensors):
             eps=f"{arch}.attention.layer_norm_rms_epsilon", rope_base=f"{arch}.rope.freq_base",
             context=f"{arch}.context_length"))
         self.tensors = {n: Tensor(n, t.shape, t.type_name, (lambda n=n: g.raw(n))) for n, t in g.tensors.items()}
+        _refuse_unused(self.path, set(g.tensors) - self.tensor_names())
         self.tokenizer = Tokenizer.from_gguf(g)
         if self.tokenizer.vocab_size > self.config.vocab:  # the embedding would be read past its last row
             raise ModelFileError(self.path, f"the tokenizer has {self.tokenizer.vocab_size} tokens but "
@@ -183,6 +203,15 @@ class ModelFile(_Tensors):
         factor = g.get(f"{arch}.rope.scaling.factor", None) or g.get(f"{arch}.rope.scale_linear", None)
         kind = g.get(f"{arch}.rope.scaling.type", "linear" if factor else None)
         return {"rope_type": kind, "factor": factor} if kind else {}
+
+    def tensor_names(self):
+        """Every tensor the architecture reads (GGUF names), optional ones included."""
+        cfg, names = self.config, {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"}
+        for i in range(cfg.n_layer):
+            names.update(f"blk.{i}.{g}.weight" for g in self.HF_NAMES)
+            if cfg.bias:
+                names.update(f"blk.{i}.{g}.bias" for g in ("attn_q", "attn_k", "attn_v"))
+        return names
 
     # -- HF safetensors folder
     HF_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -207,6 +236,8 @@ class ModelFile(_Tensors):
             return v if kind is None else _number(where, key, v, kind)
         if need("model_type") not in ("llama", "qwen2", "mistral"):
             raise ModelFileError(where, f"model_type {c['model_type']!r} is not supported")
+        if c.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ModelFileError(where, f"hidden_act {c['hidden_act']!r} is not supported (silu)")
         n_head, dim = need("num_attention_heads", int), need("hidden_size", int)
         theta_key, theta, scaling = _hf_rope(where, c)
         self.config = Config(
@@ -214,19 +245,20 @@ class ModelFile(_Tensors):
             n_kv=need("num_key_value_heads", int, n_head),
             head_dim=need("head_dim", int, dim // n_head if n_head > 0 else 0),
             ffn=need("intermediate_size", int), vocab=need("vocab_size", int), eps=need("rms_norm_eps", float),
-            rope_base=theta, context=need("max_position_embeddings", int, 4096), bias=c["model_type"] == "qwen2",
-            rope_scaling=scaling)
+            rope_base=theta, context=min(need("max_position_embeddings", int, 4096), _sliding_window(where, c)),
+            bias=c["model_type"] == "qwen2", rope_scaling=scaling)
         cfg = self.config
         cfg.check(where, dict(n_layer="num_hidden_layers", dim="hidden_size", n_head="num_attention_heads",
                               n_kv="num_key_value_heads", head_dim="head_dim", ffn="intermediate_size",
                               vocab="vocab_size", eps="rms_norm_eps", rope_base=theta_key,
                               context="max_position_embeddings"))
-        self.tensors = {}
+        self.tensors, used = {}, set()
 
         def add(gguf_name, hf_name, permute_heads=0):
             t = st.tensors.get(hf_name)
             if t is None:
                 return
+            used.add(hf_name)
             raw = lambda t=t: st.raw(t.name)
             if permute_heads:  # HF rotates halves; our rope rotates adjacent pairs, as GGUF stores Q and K
                 raw = lambda t=t, h=permute_heads: _permute_rows(st.raw(t.name), t, h)
@@ -240,6 +272,10 @@ class ModelFile(_Tensors):
                 add(f"blk.{i}.{g}.weight", f"model.layers.{i}.{h}.weight", heads)
                 if cfg.bias and g in ("attn_q", "attn_k", "attn_v"):
                     add(f"blk.{i}.{g}.bias", f"model.layers.{i}.{h}.bias", heads)
+        # older checkpoints saved the rotary frequencies, which are computed from the config instead
+        _refuse_unused(self.path, {n for n in st.tensors if n not in used and not n.endswith("rotary_emb.inv_freq")})
+        if "output.weight" not in self.tensors and c.get("tie_word_embeddings") is False:
+            raise ModelFileError(self.path, "lm_head.weight is missing and config.json says tie_word_embeddings: false")
         self.tokenizer = Tokenizer.from_hf_folder(self.path)
 
     def f32(self, name, shape):

@@ -3,6 +3,7 @@ ModelFileError that names the file and the specific problem (never a bare struct
 
 import importlib.metadata
 import json
+import re
 import struct
 
 import numpy as np
@@ -301,12 +302,14 @@ TOKENS = [("tokenizer.ggml.model", STRING, "llama"), ("tokenizer.ggml.tokens", A
           ("tokenizer.ggml.scores", ARRAY, (F32, [0.0, 0.0, 0.0]))]
 
 
-def llama_gguf(tmp_path, embd_rows=3, **changes):
+def llama_gguf(tmp_path, embd_rows=3, extra=(), **changes):
     """A llama GGUF with its config, its tokenizer and a token_embd.weight of embd_rows x 8 (all ModelFile reads
-    when it opens a file); changes: key -> (type, value) or None to leave the key out."""
+    when it opens a file), and F32 tensors of 8 named in extra; changes: key -> (type, value) or None to leave the
+    key out."""
     kv = {**LLAMA_KV, **changes}
     kv = [("general.architecture", STRING, "llama")] + [(k, *v) for k, v in kv.items() if v is not None] + TOKENS
-    return write(tmp_path, gguf_bytes(kv, [("token_embd.weight", (8, embd_rows), 0, 0)]))
+    tensors = [("token_embd.weight", (8, embd_rows), 0, 0)] + [(n, (8,), 0, 128 + 32 * i) for i, n in enumerate(extra)]
+    return write(tmp_path, gguf_bytes(kv, tensors))
 
 
 def test_a_valid_config_opens(tmp_path):
@@ -390,3 +393,36 @@ def test_rope_of_a_config_json(tmp_path, rope, want):
     folder = hf_folder(tmp_path, {"model.safetensors": safetensors_bytes({"w": ("F32", W)})})
     (folder / "config.json").write_text(json.dumps(config))
     expect_error(folder / "config.json", want, opener=lambda p: ModelFile(p.parent))
+
+
+def test_weights_the_architecture_does_not_read_are_refused(tmp_path):
+    """An output bias (Llama's attention_bias) or an MLP bias left out would give wrong logits without a word."""
+    from jitllm_core.llama import ModelFile
+    assert ModelFile(llama_gguf(tmp_path, extra=["output_norm.weight", "blk.0.attn_norm.weight"])).config
+    expect_error(llama_gguf(tmp_path, extra=["blk.0.attn_output.bias", "blk.0.ffn_up.bias"]),
+                 "tensor 'blk.0.attn_output.bias' (and 1 more) is not used by the architecture", opener=ModelFile)
+    base = {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 8, "num_attention_heads": 2,
+            "intermediate_size": 16, "vocab_size": 3, "rms_norm_eps": 1e-5}
+    emb = np.zeros((3, 8), np.float32)
+    for tensors, config, problem in [
+        ({"model.embed_tokens.weight": emb, "model.layers.0.mlp.up_proj.bias": emb[0]}, {},
+         "tensor 'model.layers.0.mlp.up_proj.bias' is not used"),
+        ({"model.embed_tokens.weight": emb}, {"tie_word_embeddings": False}, "lm_head.weight is missing"),
+        ({"model.embed_tokens.weight": emb}, {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        ({"model.embed_tokens.weight": emb, "model.rotary_emb.inv_freq": emb[0, :4]}, {}, "tokenizer"),  # read on
+    ]:
+        folder = hf_folder(tmp_path, {"model.safetensors": safetensors_bytes(
+            {n: ("F32", a) for n, a in tensors.items()})})
+        (folder / "config.json").write_text(json.dumps({**base, **config}))
+        with pytest.raises(ModelFileError, match=re.escape(problem)):
+            ModelFile(folder)
+
+
+def test_sliding_window_attention_caps_the_context(tmp_path):
+    """Up to its window, sliding-window attention is full attention: the context stops there."""
+    from jitllm_core.llama import _sliding_window
+    where = tmp_path / "config.json"
+    assert _sliding_window(where, {"model_type": "mistral", "sliding_window": 4096}) == 4096
+    assert _sliding_window(where, {"model_type": "mistral", "sliding_window": None}) > 10 ** 9
+    assert _sliding_window(where, {"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False}) > 10 ** 9
+    assert _sliding_window(where, {"model_type": "qwen2", "sliding_window": 512, "use_sliding_window": True}) == 512
