@@ -363,6 +363,8 @@ class Engine:
 
     def _step(self, seq, tokens, t0):
         """Run tokens at positions seq.n.. through every segment; returns logits rows [t0, n). Lock held."""
+        if not self.segments:
+            raise JitllmError("the engine is closed")
         n, pos = len(tokens), seq.n
         if pos + n > self.max_context:
             raise ContextLimitError(f"context limit reached: {pos + n} positions > max_context {self.max_context}")
@@ -513,9 +515,18 @@ class Engine:
         """Move units (layer indices, ranges, 'embed', 'head', or a string like '0-29') to `device` while
         generation goes on; returns the report, or with wait=False a future whose .result() is the report."""
         from .migration import Migration
+        if not self.segments:
+            raise JitllmError("the engine is closed")
         return Migration(self, layers, device).start(wait)
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
     def close(self):
+        """Free every device buffer; the engine is unusable after (calls raise "the engine is closed")."""
         self._streamer.shutdown()
         with self._lock:
             for st in self.units.values():

@@ -201,6 +201,15 @@ def test_meaningless_options_are_refused_by_name(engines, default_model):
             jl.Engine(default_model, devices=["cpu"], **kw)
 
 
+def test_a_closed_engine_says_so(default_model, cpu):
+    with jl.Engine(default_model, devices=["cpu"]) as eng:
+        assert eng.generate("Hi", max_tokens=2).token_ids
+    for call in (lambda: eng.generate("Hi", max_tokens=2), lambda: eng.score([1, 2]),
+                 lambda: eng.migrate("0", "cpu")):
+        with pytest.raises(jl.JitllmError, match="the engine is closed"):
+            call()
+
+
 def test_context_limit_is_reported(default_model, cpu):
     eng = jl.Engine(default_model, devices=["cpu"], max_context=40)
     r = eng.generate("Write a long essay about rivers.", max_tokens=100, ignore_eos=True)
