@@ -6,6 +6,7 @@ boundary.
 """
 from __future__ import annotations
 
+import numbers
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -435,7 +436,13 @@ class Engine:
                            bos_token=tok.bos_token or "", eos_token=tok.eos_token or "")
 
     def _encode(self, prompt):
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+        """A prompt's token ids: a string encoded, or a sequence of whole numbers as it is."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt) if isinstance(prompt, (list, tuple, np.ndarray)) else None
+        if ids is None or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids):
+            raise JitllmError(f"a prompt is a string or a list of token ids (whole numbers), not {_brief(prompt)}")
+        return [int(i) for i in ids]
 
     def session(self):
         """A sequence that stays alive between calls: `with eng.session() as s: s.feed(ids)`."""
@@ -449,8 +456,11 @@ class Engine:
     def generate(self, prompt, max_tokens=256, temperature=0.0, top_k=0, top_p=1.0, seed=None, stop=None,
                  ignore_eos=False, stream=False):
         check_options(max_tokens=max_tokens)
+        stops = [stop] if isinstance(stop, str) else [] if stop is None else stop
+        if not isinstance(stops, (list, tuple)) or not all(isinstance(x, str) and x for x in stops):
+            raise JitllmError(f"stop is a non-empty string or a list of them, not {_brief(stop)}")
         it = self._generate(self._encode(prompt), max_tokens, Sampler(temperature, top_k, top_p, seed),
-                            [stop] if isinstance(stop, str) else list(stop or []), ignore_eos)
+                            list(stops), ignore_eos)
         if stream:
             return it
         for _ in it:
@@ -561,6 +571,12 @@ class Session:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _brief(value):
+    """A value as an error message shows it: its repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _role(tensor_name):

@@ -196,6 +196,12 @@ def test_meaningless_options_are_refused_by_name(engines, default_model):
         with pytest.raises(jl.JitllmError, match=f"^{problem} must be"):
             eng.generate("Hi", stream=True, **kw)  # refused at the call, not when the stream is read
     assert eng.generate("Hi", max_tokens=0).token_ids == []
+    for kw, problem in [(dict(stop=""), "stop is"), (dict(stop=[5]), "stop is"), (dict(stop=5), "stop is"),
+                        (dict(prompt=None), "a prompt is"), (dict(prompt=[1.5, 2]), "a prompt is"),
+                        (dict(prompt=b"hi"), "a prompt is"), (dict(prompt=[True]), "a prompt is")]:
+        with pytest.raises(jl.JitllmError, match=f"^{problem}"):
+            eng.generate(kw.pop("prompt", "Hi"), stream=True, **kw)
+    assert eng.generate(np.array(eng.tokenizer.encode("Hi")), max_tokens=2, stop=("x",)).token_ids
     for kw in (dict(threads=0), dict(threads=1.5), dict(max_context=0)):
         with pytest.raises(jl.JitllmError, match=f"^{next(iter(kw))} must be a whole number >= 1"):
             jl.Engine(default_model, devices=["cpu"], **kw)
