@@ -143,6 +143,10 @@ class Engine:
 
     # ------------------------------------------------------------------ devices and placement
     def _pick_devices(self, names, threads):
+        if isinstance(names, str):  # one device
+            names = [names]
+        if names is not None and not names:
+            raise JitllmError("devices is empty: name at least one (e.g. ['cpu']), or None for all available")
         if names is None:
             devs = list(registry.all_devices().values())
             if not devs:

@@ -205,6 +205,10 @@ def test_meaningless_options_are_refused_by_name(engines, default_model):
     for kw in (dict(threads=0), dict(threads=1.5), dict(max_context=0)):
         with pytest.raises(jl.JitllmError, match=f"^{next(iter(kw))} must be a whole number >= 1"):
             jl.Engine(default_model, devices=["cpu"], **kw)
+    with pytest.raises(jl.JitllmError, match="^devices is empty"):
+        jl.Engine(default_model, devices=[])
+    with jl.Engine(default_model, devices="cpu") as one:  # a name alone is one device
+        assert len(one.devices) == 1
 
 
 def test_a_closed_engine_says_so(default_model, cpu):
