@@ -37,6 +37,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left (`jitllm run ... | head`): stop quietly, as a shell command does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would fail again
+        return 141
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -344,7 +344,8 @@ class Engine:
     def free_sequence(self, seq):
         with self._lock:
             for u, pages in seq.pages.items():
-                self.units[u].pool.free(pages)
+                if u in self.units:  # else the engine is closed: its pools went whole
+                    self.units[u].pool.free(pages)
             seq.pages.clear()
             self.sequences.pop(seq.id, None)
 

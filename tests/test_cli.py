@@ -3,6 +3,8 @@ import importlib.util
 import io
 import json
 import re
+import subprocess
+import sys
 
 from pathlib import Path
 
@@ -84,6 +86,19 @@ def test_run_streams_a_reply_and_a_summary(capsys, prompt):
     captured = capsys.readouterr()
     assert captured.out.endswith("\n")
     assert re.search(r"prompt tokens at .* tok/s; finish: (length|eos)\]", captured.err), captured.err
+
+
+def test_a_reader_that_leaves_early_ends_the_run_quietly():
+    """`jitllm run ... | head -c 8`: exit 141 as a shell command does, no traceback. (The prompt counts on past
+    EOS; 256 tokens take most of a second, long after the reader has gone.)"""
+    pytest.importorskip("jitllm_cpu_llvm")
+    run = subprocess.Popen([sys.executable, "-c", "import sys; from jitllm_core.cli import main; sys.exit(main())",
+                            "run", "--device", "cpu", "--max-tokens", "256", "--raw", "1, 2, 3, 4, 5,"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert len(run.stdout.read(8)) == 8
+    run.stdout.close()
+    err = run.stderr.read().decode()
+    assert run.wait(timeout=120) == 141 and "Traceback" not in err and "Error" not in err, err
 
 
 @pytest.mark.parametrize("args,problem", [

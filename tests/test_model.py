@@ -214,6 +214,9 @@ def test_meaningless_options_are_refused_by_name(engines, default_model):
 def test_a_closed_engine_says_so(default_model, cpu):
     with jl.Engine(default_model, devices=["cpu"]) as eng:
         assert eng.generate("Hi", max_tokens=2).token_ids
+        events = eng.generate("Hi", max_tokens=5, stream=True)
+        next(events)
+    events.close()  # a stream outliving its engine ends quietly (it raised KeyError freeing its pages)
     for call in (lambda: eng.generate("Hi", max_tokens=2), lambda: eng.score([1, 2]),
                  lambda: eng.migrate("0", "cpu")):
         with pytest.raises(jl.JitllmError, match="the engine is closed"):
