@@ -5,13 +5,14 @@ byte-level BPE (`gpt2`) with the pre-tokenizer named by `tokenizer.ggml.pre`, an
 (`llama`) where merges follow the token scores and a space is prefixed to every run of text.
 """
 
+import numbers
 import os
 import warnings
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
-from .errors import ModelFileError
+from .errors import JitllmError, ModelFileError
 from .safetensors import read_json
 
 # llama.cpp token types
@@ -62,11 +63,18 @@ class Tokenizer:
 
     def encode(self, text, add_special=True):
         """Token ids of text; special tokens written in the text are always recognized."""
+        if not isinstance(text, str):
+            raise JitllmError(f"encode takes a string, not {type(text).__name__}")
         ids = self._tk.encode(text, add_special_tokens=add_special).ids
         return self._prefix + ids + self._suffix if add_special else ids
 
     def decode(self, ids, skip_special=False):
-        return self._tk.decode(list(ids), skip_special_tokens=skip_special)
+        """Text of token ids; an id past the tokenizer's end (a model's padded vocabulary) has none."""
+        ids = list(ids)
+        bad = next((i for i in ids if isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0), None)
+        if bad is not None:  # the backend would overflow or raise a TypeError of its own
+            raise JitllmError(f"decode: {bad!r} is not a token id (a whole number >= 0)")
+        return self._tk.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
     def token_to_piece(self, token_id):
         """The text of one token as it would appear mid-text (partial UTF-8 shows as U+FFFD)."""

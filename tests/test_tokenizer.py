@@ -64,6 +64,16 @@ def test_smollm_decode_round_trip(smollm, text):
     assert smollm.decode(smollm.encode(text)) == text
 
 
+def test_what_is_not_text_or_token_ids_is_refused(smollm):
+    for bad in (None, 5, b"bytes"):
+        with pytest.raises(JitllmError, match="encode takes a string"):
+            smollm.encode(bad)
+    for bad in ([-1], [1, "a"], [True]):
+        with pytest.raises(JitllmError, match="is not a token id"):
+            smollm.decode(bad)
+    assert smollm.decode([10 ** 9]) == ""  # past the end: no text, as a padded vocabulary's ids
+
+
 def test_smollm_specials(smollm):
     assert smollm.vocab_size == 49152 and smollm.bos_id == 1
     assert smollm.encode("Hi") == smollm.encode("Hi", add_special=False)  # the file says: no BOS
