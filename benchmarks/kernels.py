@@ -21,12 +21,14 @@ from jitllm_core import llama, ops, quant, registry, tuning
 from jitllm_core.plugin import Launch
 from jitllm_cpu_llvm import runtime
 
-DECODE = [("Q4_1", 1536, 576), ("Q4_1", 576, 1536), ("Q8_0", 49152, 576), ("Q4_K", 8192, 2048),
-          ("Q4_K", 2048, 8192), ("Q6_K", 2048, 8192)]
-FILE = [("Q4_1", 1536, 576), ("Q8_0", 4096, 576), ("Q4_K", 2048, 2048), ("Q6_K", 2048, 2048)]
+DECODE = [("Q4_1", 1536, 576), ("Q4_1", 576, 1536), ("Q5_0", 1536, 576), ("Q8_0", 49152, 576), ("Q4_K", 8192, 2048),
+          ("Q4_K", 2048, 8192), ("Q5_K", 2048, 8192), ("Q6_K", 2048, 8192)]
+FILE = [("Q4_1", 1536, 576), ("Q8_0", 4096, 576), ("Q5_0", 4096, 576), ("Q5_1", 4096, 576), ("Q4_K", 2048, 2048),
+        ("Q5_K", 2048, 2048), ("Q6_K", 2048, 2048)]
 PREFILL = [("Q4_K", 8192, 2048), ("Q4_K", 2048, 2048), ("Q6_K", 2048, 8192), ("Q4_K", 2048, 8192)]
 CACHED_BYTES = 384 << 10  # a matrix this size stays in a core's L2
-HALVES = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [208]}  # f16 fields of a block
+HALVES = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
+          "Q6_K": [208]}  # f16 fields of a block
 
 
 def file_tensor(name, rows, cols, rng):

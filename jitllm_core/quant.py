@@ -7,17 +7,18 @@ pairs that lane yields -- written so that lanes read contiguous bytes, which is 
 on every backend. Dot products (`row_dot`) and dequantization (`dequant_kernel`) are both derived from
 `terms`, so a new format added here works everywhere, with no plugin change.
 
-At load, the ggml 8-, 4- and 6-bit formats are repacked (`repack`) into *row-interleaved* layouts of the same
-values (`Interleaved`: R8, R4, R4K, R6): ROWS rows stored together, each field of a block holding the rows'
+At load, the ggml 8-, 4-, 5- and 6-bit formats are repacked (`repack`) into *row-interleaved* layouts of the
+same values (`Interleaved`: R8, R4, R5, R4K, R5K, R6): ROWS rows stored together, each field of a block holding the rows'
 bytes side by side, so that a vector whose lanes are rows reads every field -- scales as well as quants -- with one
 contiguous load and a dot product keeps each row's sum in its own lane (no horizontal sum per block, no scale
-broadcast). R4, R4K and R6 are *dot4 layouts*: their fields are words (4 weights to a word: 4-bit ones in the
-file's nibble order, Q6_K's q whole), and their dots multiply the weights' integers by the input's
+broadcast). R4, R5, R4K, R5K and R6 are *dot4 layouts*: their fields are words (4 weights to a word: 4-bit ones in
+the file's nibble order, their fifth bits in a word of their own, Q6_K's q whole), and their dots multiply the weights' integers by the input's
 (`ops.quantize_input`: 3 signed base-256 digits per element, each within 2^-24 of its span's largest) with
 `ir.dot4`, 4 byte products to a lane per instruction where the CPU has VNNI, then apply the scales in f32
 (d * scale * sum q x + offset * sum x, the input's sums read for the offsets). Sizes are the file's (Q4_K's
 packed 6-bit scales stay packed, unpacked a word at a time in the dot), but Q6_K's 212 bytes a block instead of
-210, to keep words whole.
+210, to keep words whole, and Q4_0's and Q5_0's 20 and 24 instead of 18 and 22: their offsets (-8 d, -16 d)
+stored as Q4_1's and Q5_1's are.
 """
 from __future__ import annotations
 
@@ -121,6 +122,25 @@ class Q4_1(Format):
         return [(l, d * F(q & 15) + m), (l + 16, d * F(q >> 4) + m)]
 
 
+def _bit5(qh, bit):
+    """Bit `bit` of qh (a number or an expression) as the fifth bit of a 5-bit value: 0 or 16."""
+    return ((qh >> bit) & 1) << 4
+
+
+class Q5_0(Format):
+    # d (f16), qh: the 32 fifth bits (a little-endian u32, bit j for element j), 16 bytes of low nibbles
+    def terms(self, k, buf, base, g, l):
+        d, qh, q = _half(k, buf, base), _word(k, buf, base + 2), k.load(buf, base + 6 + l)
+        return [(l, d * F(((q & 15) | _bit5(qh, l)) - 16)), (l + 16, d * F(((q >> 4) | _bit5(qh, l + 16)) - 16))]
+
+
+class Q5_1(Format):
+    # d, m (f16), qh (u32), 16 bytes of low nibbles: d * q + m with q unsigned
+    def terms(self, k, buf, base, g, l):
+        d, m, qh, q = _half(k, buf, base), _half(k, buf, base + 2), _word(k, buf, base + 4), k.load(buf, base + 8 + l)
+        return [(l, d * F((q & 15) | _bit5(qh, l)) + m), (l + 16, d * F((q >> 4) | _bit5(qh, l + 16)) + m)]
+
+
 def _k4_scales_mins(word, piece):
     """(scales, mins) of sub-blocks 4 piece .. 4 piece + 3 of a Q4_K block, a byte each in a word, from its 12 bytes
     of packed 6-bit scales and mins (word(i): their word i; llama.cpp's get_scale_min_k4, 4 at once): piece 0's the
@@ -162,6 +182,18 @@ class Q4_K(Format):
                 out += [(p * 64 + e * 4 + i, (d * sc0) * F(q & 15) - dmin * m0),
                         (p * 64 + 32 + e * 4 + i, (d * sc1) * F(q >> 4) - dmin * m1)]
         return out
+
+
+class Q5_K(Format):
+    # Q4_K's d, dmin and packed scales, then qh (32 bytes: bit 2p of byte l is the fifth bit of element l of
+    # sub-block 2p, bit 2p + 1 of sub-block 2p + 1's) and the 128 bytes of low nibbles; group p: sub-blocks 2p, 2p+1
+    def terms(self, k, buf, base, p, l):
+        d, dmin = _half(k, buf, base), _half(k, buf, base + 2)
+        sc0, m0 = _k4_scale_min(k, buf, base, p * 2)
+        sc1, m1 = _k4_scale_min(k, buf, base, p * 2 + 1)
+        qh, q = k.load(buf, base + 16 + l), k.load(buf, base + 48 + p * 32 + l)
+        return [(p * 64 + l, (d * sc0) * F((q & 15) | _bit5(qh, 2 * p)) - dmin * m0),
+                (p * 64 + 32 + l, (d * sc1) * F((q >> 4) | _bit5(qh, 2 * p + 1)) - dmin * m1)]
 
 
 class Q6_K(Format):
@@ -288,58 +320,85 @@ def _digit_dot(sums):
     return sum(parts[1:], parts[0])
 
 
-def _nibble_dot(k, buf, at, off, inp, e0):
-    """sum q * x over the 32 elements from e0 of a 4-bit sub-block whose 4 words start at field `off` (word w:
-    elements 4w .. 4w + 3 in its low nibbles, 16 + 4w .. in its high ones), q unscaled: a dot4 of each word's
-    nibbles with each digit of the input."""
+def _spread4(bits):
+    """4 bits (0..15) -> a word whose byte j is 16 times bit j: the fifth bits of 4 elements in place."""
+    return ((bits * 0x00204081) & 0x01010101) << 4
+
+
+def _quants(k, buf, at, off, fifth, w):
+    """The two words of q of word w of a sub-block: elements 4w .. 4w + 3 and 16 + 4w .. 16 + 4w + 3, a byte each:
+    the word's low and high nibbles, or'ed with their fifth bits (byte w of the word at field `fifth`: the
+    first four elements' in bits 0-3, the others' in bits 4-7) when the sub-block has them."""
+    q = _word(k, buf, at(off + 4 * w, 4))
+    low, high = q & NIBBLES, (q >> 4) & NIBBLES
+    if fifth is None:
+        return low, high
+    h = _word(k, buf, at(fifth, 4)) >> 8 * w
+    return low | _spread4(h & 15), high | _spread4((h >> 4) & 15)
+
+
+def _nibble_dot(k, buf, at, off, inp, e0, fifth=None):
+    """sum q * x over the 32 elements from e0 of a 4- or 5-bit sub-block whose 4 words of nibbles start at field
+    `off` (word w: elements 4w .. 4w + 3 in its low nibbles, 16 + 4w .. in its high ones; fifth bits: `_quants`),
+    q unscaled: a dot4 of each word's quants with each digit of the input."""
     def digit(i):
         def step(w):
-            q = _word(k, buf, at(off + 4 * w, 4))
-            return ir.dot4(q & NIBBLES, inp.word(i, e0 + 4 * w)) + \
-                ir.dot4((q >> 4) & NIBBLES, inp.word(i, e0 + 16 + 4 * w))
+            low, high = _quants(k, buf, at, off, fifth, w)
+            return ir.dot4(low, inp.word(i, e0 + 4 * w)) + ir.dot4(high, inp.word(i, e0 + 16 + 4 * w))
         return ir.reduce("add", "w", 4, step, "unroll")
     return _digit_dot([digit(i) for i in range(inp.digits)]) * inp.scale(e0)
 
 
-def _nibbles(k, buf, at, off):
+def _nibbles(k, buf, at, off, fifth=None):
     out = []
     for w in range(4):
-        q = _word(k, buf, at(off + 4 * w, 4))
-        out += [(e + 4 * w + j, F((q >> (8 * j + 4 * (e // 16))) & 15)) for e in (0, 16) for j in range(4)]
+        for e, q in zip((0, 16), _quants(k, buf, at, off, fifth, w)):
+            out += [(e + 4 * w + j, F((q >> 8 * j) & 31)) for j in range(4)]
     return out
 
 
 class Affine4(Interleaved):
-    """4-bit sub-blocks of 32 (nibble words as `_nibble_dot` reads them), each value = scale * q + offset."""
+    """4- or 5-bit sub-blocks of 32 (nibble words, and a word of fifth bits, as `_nibble_dot` reads them), each
+    value = scale * q + offset."""
     digits = True
 
     def subs(self, k, buf, at, piece):
-        """[(scale, offset, field of the 4 nibble words, first element)] of the piece's sub-blocks"""
+        """[(scale, offset, field of the 4 nibble words, field of the fifth bits or None, first element)] of the
+        piece's sub-blocks"""
         raise NotImplementedError
 
     def block_dot(self, k, buf, at, inp, piece):
-        parts = [scale * _nibble_dot(k, buf, at, off, inp, e0) + offset * (inp.sum(e0) + inp.sum(e0 + 16))
-                 for scale, offset, off, e0 in self.subs(k, buf, at, piece)]
+        parts = [scale * _nibble_dot(k, buf, at, off, inp, e0, fifth) + offset * (inp.sum(e0) + inp.sum(e0 + 16))
+                 for scale, offset, off, fifth, e0 in self.subs(k, buf, at, piece)]
         return sum(parts[1:], parts[0])
 
     def piece_values(self, k, buf, at, piece):
-        return [(e0 + e, scale * q + offset)
-                for scale, offset, off, e0 in self.subs(k, buf, at, piece) for e, q in _nibbles(k, buf, at, off)]
+        return [(e0 + e, scale * q + offset) for scale, offset, off, fifth, e0 in self.subs(k, buf, at, piece)
+                for e, q in _nibbles(k, buf, at, off, fifth)]
 
 
 class R4(Affine4):
-    """Blocks of 32 (Q4_0, Q4_1): [d f16, m f16][4 words of nibbles] per row; value = d * q + m."""
+    """Blocks of 32 (Q4_0, Q4_1): [d f16, m f16][4 words of nibbles] per row; value = d * q + m. R5 (Q5_0, Q5_1):
+    [d, m][a word of fifth bits][4 words of nibbles]."""
+    fifth = None
+
     def subs(self, k, buf, at, piece):
         dm = _word(k, buf, at(0, 4))
-        return [(ir.f16bits(dm), ir.f16bits(dm >> 16), 4, 0)]
+        return [(ir.f16bits(dm), ir.f16bits(dm >> 16), 4 if self.fifth is None else 8, self.fifth, 0)]
+
+
+class R5(R4):
+    fifth = 4
 
 
 class R4K(Affine4):
     """Q4_K's super-blocks of 256: [d f16, dmin f16][the file's 12 bytes of 6-bit scales and mins][8 x 4 words of
     nibbles] per row (the file's 144 bytes); sub-block s's value = d * scale_s * q - dmin * min_s. Pieces:
     sub-blocks 0-3, 4-7 (one piece no faster), each piece's 4 scales and 4 mins a word of bytes made from the
-    packed words (`_k4_scales_mins`)."""
+    packed words (`_k4_scales_mins`). R5K (Q5_K, the file's 176 bytes): [d, dmin][scales and mins][8 words of
+    fifth bits, a sub-block's each][8 x 4 words of nibbles]."""
     pieces = 2
+    fifth = None
 
     def subs(self, k, buf, at, piece):
         dm = _word(k, buf, at(0, 4))
@@ -347,8 +406,14 @@ class R4K(Affine4):
         n = 8 // self.pieces
         scales, mins = _k4_scales_mins(lambda i: _word(k, buf, at(4 + 4 * i, 4)), piece)
         byte = lambda w, j: F((w >> 8 * j) & 255)
-        return [(d * byte(scales, j), -(dmin * byte(mins, j)), 16 + 16 * (piece * n + j), 32 * (piece * n + j))
+        quants = 16 if self.fifth is None else 48
+        return [(d * byte(scales, j), -(dmin * byte(mins, j)), quants + 16 * (piece * n + j),
+                 None if self.fifth is None else self.fifth + 4 * (piece * n + j), 32 * (piece * n + j))
                 for j in range(n)]
+
+
+class R5K(R4K):
+    fifth = 16
 
 
 class R8(Interleaved):
@@ -409,7 +474,10 @@ FORMATS = {
     "Q8_0": Q8_0("Q8_0", 32, 34, "u8", 1, 32),
     "Q4_0": Q4_0("Q4_0", 32, 18, "u8", 1, 16),
     "Q4_1": Q4_1("Q4_1", 32, 20, "u8", 1, 16),
+    "Q5_0": Q5_0("Q5_0", 32, 22, "u8", 1, 16),
+    "Q5_1": Q5_1("Q5_1", 32, 24, "u8", 1, 16),
     "Q4_K": Q4_K("Q4_K", 256, 144, "u8", 4, 32),
+    "Q5_K": Q5_K("Q5_K", 256, 176, "u8", 4, 32),
     "Q6_K": Q6_K("Q6_K", 256, 210, "u8", 4, 16),
 }
 
@@ -417,7 +485,9 @@ FORMATS = {
 PACKED = {
     "R8": R8("R8", 32, 34, "u8", 1, ROWS),
     "R4": R4("R4", 32, 20, "u8", 1, ROWS),
+    "R5": R5("R5", 32, 24, "u8", 1, ROWS),
     "R4K": R4K("R4K", 256, 144, "u8", 1, ROWS),
+    "R5K": R5K("R5K", 256, 176, "u8", 1, ROWS),
     "R6": R6("R6", 256, 212, "u8", 1, ROWS),
 }
 
@@ -469,6 +539,40 @@ def _pack_q4_k(b, rows):
     return _words(rows, np.concatenate([b[:, 0:16], (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(-1, 128)], axis=1))
 
 
+def _fifth_words(h):
+    """Fifth bits h (blocks, sub-blocks, 32 elements; 0 or 1) -> a word per sub-block as `_quants` reads it: byte
+    w holds elements 4w .. 4w + 3 in bits 0-3, 16 + 4w .. 16 + 4w + 3 in bits 4-7."""
+    h = h.reshape(h.shape[0], h.shape[1], 2, 4, 4)  # [block][sub-block][half][w][j]
+    bits = (h << np.arange(4, dtype=np.uint8)).sum(axis=4, dtype=np.uint8)  # [half][w]: 4 bits
+    return (bits[:, :, 0] | (bits[:, :, 1] << 4)).reshape(len(h), -1)
+
+
+def _file_fifth_bits(qh):
+    """Q5_0 / Q5_1's qh (a little-endian u32 per block: bit j for element j) -> (blocks, 1, 32) bits."""
+    return ((qh.copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)[:, None, :]
+
+
+def _pack_q5_0(b, rows):
+    m = _f16_at(b, 0) * np.float32(-16)
+    if not np.isfinite(m.astype(np.float16)).all():
+        raise ModelFileError("model", "a Q5_0 block scale beyond 4095 has no R5 form")
+    return _words(rows, np.concatenate([b[:, 0:2], _f16_field(m), _fifth_words(_file_fifth_bits(b[:, 2:6])),
+                                        b[:, 6:22]], axis=1))
+
+
+def _pack_q5_1(b, rows):
+    return _words(rows, np.concatenate([b[:, 0:4], _fifth_words(_file_fifth_bits(b[:, 4:8])), b[:, 8:24]], axis=1))
+
+
+def _pack_q5_k(b, rows):
+    qh = b[:, 16:48]  # bit s of byte j: element j of sub-block s
+    h = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
+    qs = b[:, 48:176].reshape(-1, 4, 1, 32)
+    q = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(-1, 8, 32)      # sub-block 2p, then 2p + 1
+    return _words(rows, np.concatenate([b[:, 0:16], _fifth_words(h), (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(-1, 128)],
+                                       axis=1))
+
+
 def _pack_q6_k(b, rows):
     ql, qh = b[:, :128].reshape(-1, 2, 2, 32), b[:, 128:192].reshape(-1, 2, 1, 32)
     low = np.concatenate([ql & 15, ql >> 4], axis=2)                                  # [n][i][l]: 128 n + 32 i + l
@@ -479,7 +583,8 @@ def _pack_q6_k(b, rows):
 
 
 REPACK = {"Q8_0": ("R8", _pack_q8_0), "Q4_0": ("R4", _pack_q4_0), "Q4_1": ("R4", _pack_q4_1),
-          "Q4_K": ("R4K", _pack_q4_k), "Q6_K": ("R6", _pack_q6_k)}
+          "Q5_0": ("R5", _pack_q5_0), "Q5_1": ("R5", _pack_q5_1),
+          "Q4_K": ("R4K", _pack_q4_k), "Q5_K": ("R5K", _pack_q5_k), "Q6_K": ("R6", _pack_q6_k)}
 
 
 def packed_format(fmt: Format, rows: int) -> Format:

@@ -1,4 +1,4 @@
-"""NumPy quantizers that write ggml's block byte layouts (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K).
+"""NumPy quantizers that write ggml's block byte layouts (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K).
 
 They follow llama.cpp's reference quantizers (`quantize_row_*_ref` in ggml-quants.c), vectorized over
 blocks, so files written with them load in llama.cpp and the gguf package. Each block quantizer comes in
@@ -16,7 +16,7 @@ QK_K = 256
 BLOCK = {
     "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
     "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20),
-    "Q4_K": (QK_K, 144), "Q6_K": (QK_K, 210),
+    "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176), "Q6_K": (QK_K, 210),
 }
 _CHUNK = 1 << 17  # elements per work item: temporaries stay in cache, and numpy's per-call cost stays small
 
@@ -193,9 +193,19 @@ def _make_qkx2(x, w, nmax, rmin, rdelta, nstep):
 
 def _parts_q4_k(b):
     """quantize_row_q4_K_ref: 8 sub-blocks of 32, 4-bit quants, 6-bit scales and mins under f16 d, dmin."""
+    return _parts_affine_k(b, 15, -1.0, 20)
+
+
+def _parts_q5_k(b):
+    """quantize_row_q5_K_ref: Q4_K's with 5-bit quants (and its own search grid)."""
+    return _parts_affine_k(b, 31, -0.5, 15)
+
+
+def _parts_affine_k(b, nmax, rmin, nstep):
+    """8 sub-blocks of 32, quants 0..nmax, 6-bit scales and mins under f16 d, dmin."""
     x = b.reshape(-1, 8, 32)
     av = np.sqrt(np.mean(x * x, axis=-1, keepdims=True))
-    scale, mn = _make_qkx2(x, av + np.abs(x), 15, -1.0, 0.1, 20)
+    scale, mn = _make_qkx2(x, av + np.abs(x), nmax, rmin, 0.1, nstep)
     max_s, max_m = scale.max(axis=1), mn.max(axis=1)
     ls = np.minimum(63, np.rint(scale * _div(63, max_s)[:, None])).astype(np.uint8)
     lm = np.minimum(63, np.rint(mn * _div(63, max_m)[:, None])).astype(np.uint8)
@@ -204,20 +214,35 @@ def _parts_q4_k(b):
     ds = d.astype(np.float32)[:, None] * ls
     dm = dmin.astype(np.float32)[:, None] * lm
     with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.clip(np.rint((x + dm[..., None]) / ds[..., None]), 0, 15)
+        q = np.clip(np.rint((x + dm[..., None]) / ds[..., None]), 0, nmax)
     q = np.where(ds[..., None] == 0, 0, q).astype(np.uint8)
     return d, dmin, ls, lm, q
 
 
+def _k_scales(ls, lm):
+    """12 scale bytes: 6-bit scales and mins of sub-blocks 0-3 in bytes 0-7, their top 2 bits carry the high
+    bits of sub-blocks 4-7, whose low 4 bits fill bytes 8-11 (get_scale_min_k4)."""
+    hi_s, hi_m = ls[:, 4:], lm[:, 4:]
+    return np.concatenate([ls[:, :4] | ((hi_s >> 4) << 6), lm[:, :4] | ((hi_m >> 4) << 6),
+                           (hi_s & 0xF) | ((hi_m & 0xF) << 4)], axis=1)
+
+
+def _low_nibbles(q):
+    """Each 32 bytes hold two consecutive sub-blocks of 32: low then high nibble."""
+    q = (q & 0xF).reshape(-1, 4, 2, 32)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+
+
 def _quant_q4_k(b):
     d, dmin, ls, lm, q = _parts_q4_k(b)
-    # 12 scale bytes: 6-bit scales and mins of sub-blocks 0-3 in bytes 0-7, their top 2 bits carry the high
-    # bits of sub-blocks 4-7, whose low 4 bits fill bytes 8-11 (get_scale_min_k4)
-    hi_s, hi_m = ls[:, 4:], lm[:, 4:]
-    scales = np.concatenate([ls[:, :4] | ((hi_s >> 4) << 6), lm[:, :4] | ((hi_m >> 4) << 6),
-                             (hi_s & 0xF) | ((hi_m & 0xF) << 4)], axis=1)
-    q = q.reshape(-1, 4, 2, 32)  # each 32 bytes hold two consecutive sub-blocks: low then high nibble
-    return _bytes(d, dmin, scales, (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128))
+    return _bytes(d, dmin, _k_scales(ls, lm), _low_nibbles(q))
+
+
+def _quant_q5_k(b):
+    d, dmin, ls, lm, q = _parts_q5_k(b)
+    # qh: bit k of byte j is the fifth bit of element j of sub-block k
+    qh = ((q.reshape(-1, 8, 32) >> 4) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(axis=1, dtype=np.uint8)
+    return _bytes(d, dmin, _k_scales(ls, lm), qh, _low_nibbles(q))
 
 
 def _make_qx(x, nmax):
@@ -275,5 +300,5 @@ def _quant_q6_k(b):
 _QUANTIZERS = {
     "F32": _quant_f32, "F16": _quant_f16, "BF16": _quant_bf16,
     "Q8_0": _quant_q8_0, "Q4_0": _quant_q4_0, "Q4_1": _quant_q4_1,
-    "Q4_K": _quant_q4_k, "Q6_K": _quant_q6_k,
+    "Q4_K": _quant_q4_k, "Q5_K": _quant_q5_k, "Q6_K": _quant_q6_k,
 }

@@ -17,7 +17,7 @@ import pytest
 
 from backend_check import assert_matches_interpreter, assert_timed_program_times_each_launch
 from ir_cases import CASES, inputs_for, reductions
-from jitllm_core import interp, ir
+from jitllm_core import interp, ir, quant
 from jitllm_core.errors import BackendError
 from jitllm_core.plugin import BackendUnavailable, Buffer, Launch
 
@@ -172,7 +172,7 @@ def wide_dot(name):
     return row_dot_case(name, True, 3)[:2]
 
 
-WIDE = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
+WIDE = sorted(n for n, f in quant.FORMATS.items() if f.storage == "u8")  # every quantized format
 
 
 EXTRA = {

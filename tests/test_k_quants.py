@@ -1,4 +1,5 @@
-"""A model with k-quant matrices (Q4_K and Q6_K, the 1B benchmark model's formats) through the engine against HF
+"""A model with k-quant matrices (Q4_K and Q6_K, the 1B benchmark model's formats, and Q5_K) and 5-bit ones (Q5_0,
+Q5_1: what llama.cpp's Q4_K_M falls back to for rows that are not whole 256-blocks) through the engine against HF
 transformers on the same file (the layouts' kernels alone: test_quant_formats, and as a VNNI machine runs them:
 test_other_cpus)."""
 import pytest
@@ -14,7 +15,8 @@ gguf = pytest.importorskip("gguf")
 @pytest.fixture(scope="module")
 def k_quant_model(default_model, tmp_path_factory):
     """The default model with its FFN down projections (the only matrices whose rows are whole 256-blocks)
-    requantized from the file's values: Q4_K in even layers, Q6_K in odd ones."""
+    requantized from the file's values by jitllm's quantizer -- Q4_K, Q6_K, Q5_K in turn -- and its V projections
+    by gguf's, Q5_0 and Q5_1 in turn."""
     out = tmp_path_factory.mktemp("k_quants") / "smollm2-k-quants.gguf"
     r = gguf.GGUFReader(default_model)
     arch = r.fields["general.architecture"].contents()
@@ -26,10 +28,13 @@ def k_quant_model(default_model, tmp_path_factory):
         w.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[-1] if array else None)
     for t in r.tensors:
         data, kind = t.data, t.tensor_type
+        layer = int(t.name.split(".")[1]) if t.name.startswith("blk.") else 0
         if t.name.endswith("ffn_down.weight"):
-            kind = gguf.GGMLQuantizationType.Q4_K if int(t.name.split(".")[1]) % 2 == 0 else \
-                gguf.GGMLQuantizationType.Q6_K
+            kind = gguf.GGMLQuantizationType[("Q4_K", "Q6_K", "Q5_K")[layer % 3]]
             data = quantize.quantize(gguf.quants.dequantize(t.data, t.tensor_type), kind.name)
+        elif t.name.endswith("attn_v.weight"):
+            kind = gguf.GGMLQuantizationType[("Q5_0", "Q5_1")[layer % 2]]
+            data = gguf.quants.quantize(gguf.quants.dequantize(t.data, t.tensor_type), kind)
         w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -45,13 +50,15 @@ def engine(cpu, k_quant_model):
     eng.close()
 
 
-def test_model_has_both_k_quants(k_quant_model):
+def test_model_has_the_formats_meant(k_quant_model):
     kinds = {t.tensor_type.name for t in gguf.GGUFReader(k_quant_model).tensors if "ffn_down" in t.name}
-    assert kinds == {"Q4_K", "Q6_K"}
+    assert kinds == {"Q4_K", "Q6_K", "Q5_K"}
+    kinds = {t.tensor_type.name for t in gguf.GGUFReader(k_quant_model).tensors if "attn_v" in t.name}
+    assert kinds == {"Q5_0", "Q5_1"}
 
 
 def test_k_quants_match_transformers(engine, k_quant_model):
-    """Token by token (decode steps: the dot4 matvecs of every packed layout, R4K and R6 among them) and a whole
+    """Token by token (decode steps: the dot4 matvecs of every packed layout, R4K, R5K, R5 and R6 among them) and a whole
     prompt at once (the prefill gemms), within the f32 reference's bound."""
     steps, prompt = step_and_prompt_errors(engine, k_quant_model, (engine.tokenizer.encode(PROMPTS[0]) * 3)[:40])
     assert steps <= 1e-3

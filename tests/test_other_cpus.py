@@ -39,6 +39,15 @@ def test_packed_layouts_hold_the_values(vnni, name):
     assert_packed_layout_holds_the_values(vnni, name)
 
 
+@pytest.mark.parametrize("name", sorted(quant.REPACK))
+def test_packed_layouts_hold_the_values_on_avx2(cpu, name):
+    """An AVX2 machine's programs (8 lanes, dot4 in pmaddubsw: 5-bit quants too are bytes below 128)."""
+    from jitllm_cpu_llvm import runtime
+    if not runtime.host()[0].startswith("x86_64"):
+        pytest.skip("AVX2 programs run on x86-64 hosts only")
+    assert_packed_layout_holds_the_values(runtime.CpuDevice("cpu", 1, 1 << 30, 8, {"avx2"}), name)
+
+
 def test_default_model_matches_transformers(vnni, default_model):
     """Token by token (the decode step's dot4 matvecs in vpdpbusd) and a prompt at once (the prefill step), within
     the f32 reference's bound."""

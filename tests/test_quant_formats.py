@@ -7,7 +7,8 @@ from backend_check import run_on_device
 from jitllm_core import interp, ir, ops, quant
 
 gguf = pytest.importorskip("gguf")
-HALF_OFFSETS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [208]}
+HALF_OFFSETS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
+                "Q6_K": [208]}
 
 
 def random_tensor(name, rows, cols, rng):
@@ -154,8 +155,8 @@ def test_interleaved_layouts_keep_odd_row_counts_in_the_file_format():
 
 def test_unsupported_format_is_named():
     from jitllm_core.errors import ModelFileError
-    with pytest.raises(ModelFileError, match="Q5_K is not supported"):
-        quant.get_format("Q5_K", 256, "model.gguf: tensor 'blk.0.attn_q.weight'")
+    with pytest.raises(ModelFileError, match="Q3_K is not supported"):
+        quant.get_format("Q3_K", 256, "model.gguf: tensor 'blk.0.attn_q.weight'")
     with pytest.raises(ModelFileError, match="not a multiple"):
         quant.get_format("Q4_K", 200, "model.gguf: tensor 'x'")
 
@@ -182,7 +183,7 @@ def test_cpu_prefill_matmul_tiles_every_step_length(cpu, tile):
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["interleaved", "file"])
-@pytest.mark.parametrize("name", ["F16", "Q8_0", "Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["F16", "Q8_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_cpu_prefill_matmul_matches_gguf(cpu, name, packed):
     """The prefill matmul (blocks of columns dequantized into scratch, multiplied by every token) against gguf's
     dequantized weights times the input in numpy: each layout a CPU holds, three slices of rows (a tile of 64
