@@ -352,6 +352,10 @@ def _nibble_dot(k, buf, at, off, inp, e0, fifth=None):
 def _nibbles(k, buf, at, off, fifth=None):
     out = []
     for w in range(4):
+        if fifth is None:  # each value a shift and a mask away
+            q = _word(k, buf, at(off + 4 * w, 4))
+            out += [(e + 4 * w + j, F((q >> (8 * j + 4 * (e // 16))) & 15)) for e in (0, 16) for j in range(4)]
+            continue
         for e, q in zip((0, 16), _quants(k, buf, at, off, fifth, w)):
             out += [(e + 4 * w + j, F((q >> 8 * j) & 31)) for j in range(4)]
     return out
