@@ -8,7 +8,7 @@ on every backend. Dot products (`row_dot`) and dequantization (`dequant_kernel`)
 `terms`, so a new format added here works everywhere, with no plugin change.
 
 At load, the ggml 8-, 4-, 5- and 6-bit formats are repacked (`repack`) into *row-interleaved* layouts of the
-same values (`Interleaved`: R8, R4, R5, R4K, R5K, R6): ROWS rows stored together, each field of a block holding the rows'
+same values (`Interleaved`: R8, R4, R5, R4K, R5K, R6; Q2_K and Q3_K stay as the file has them): ROWS rows stored together, each field of a block holding the rows'
 bytes side by side, so that a vector whose lanes are rows reads every field -- scales as well as quants -- with one
 contiguous load and a dot product keeps each row's sum in its own lane (no horizontal sum per block, no scale
 broadcast). R4, R5, R4K, R5K and R6 are *dot4 layouts*: their fields are words (4 weights to a word: 4-bit ones in
@@ -194,6 +194,42 @@ class Q5_K(Format):
         qh, q = k.load(buf, base + 16 + l), k.load(buf, base + 48 + p * 32 + l)
         return [(p * 64 + l, (d * sc0) * F((q & 15) | _bit5(qh, 2 * p)) - dmin * m0),
                 (p * 64 + 32 + l, (d * sc1) * F((q >> 4) | _bit5(qh, 2 * p + 1)) - dmin * m1)]
+
+
+class Q2_K(Format):
+    # 16 bytes of scales (sub-block s of 16: scale in the low nibble, min in the high), 64 bytes of 2-bit quants,
+    # d, dmin (f16); group g = 4 n + j: sub-blocks 8 n + 2 j and 8 n + 2 j + 1, their quants bits 2j of bytes
+    # 32 n + l and 32 n + 16 + l
+    def terms(self, k, buf, base, g, l):
+        n, j = g // 4, g % 4
+        d, dmin = _half(k, buf, base + 80), _half(k, buf, base + 82)
+        out = []
+        for half in range(2):
+            sc = k.load(buf, base + 8 * n + 2 * j + half)
+            q = (k.load(buf, base + 16 + 32 * n + 16 * half + l) >> 2 * j) & 3
+            out.append((128 * n + 32 * j + 16 * half + l, (d * F(sc & 15)) * F(q) - dmin * F(sc >> 4)))
+        return out
+
+
+class Q3_K(Format):
+    # hmask (32 bytes: bit 4 n + j of byte l set = no -4 for quant l (+16) of group (n, j)), 64 bytes of 2-bit
+    # quants as Q2_K's, 12 bytes of 6-bit scales (low nibbles in bytes 0-7, top 2 bits in 8-11), d (f16);
+    # value = d * (scale - 32) * (q - 4 * (hmask bit clear))
+    def scale(self, k, buf, base, s):
+        a, b = s // 4, s % 4
+        low = (k.load(buf, base + 96 + 4 * (a % 2) + b) >> 4 * (a // 2)) & 15
+        high = (k.load(buf, base + 104 + b) >> 2 * a) & 3
+        return F((low | (high << 4)) - 32)
+
+    def terms(self, k, buf, base, g, l):
+        n, j = g // 4, g % 4
+        d, out = _half(k, buf, base + 108), []
+        for half in range(2):
+            q = (k.load(buf, base + 32 + 32 * n + 16 * half + l) >> 2 * j) & 3
+            h = (k.load(buf, base + 16 * half + l) >> 4 * n + j) & 1
+            out.append((128 * n + 32 * j + 16 * half + l,
+                        (d * self.scale(k, buf, base, 8 * n + 2 * j + half)) * F(q - 4 + 4 * h)))
+        return out
 
 
 class Q6_K(Format):
@@ -476,6 +512,8 @@ FORMATS = {
     "F16": Plain("F16", 32, 32, "f16", 1, 32),
     "BF16": Plain("BF16", 32, 32, "bf16", 1, 32),
     "Q8_0": Q8_0("Q8_0", 32, 34, "u8", 1, 32),
+    "Q2_K": Q2_K("Q2_K", 256, 84, "u8", 8, 16),
+    "Q3_K": Q3_K("Q3_K", 256, 110, "u8", 8, 16),
     "Q4_0": Q4_0("Q4_0", 32, 18, "u8", 1, 16),
     "Q4_1": Q4_1("Q4_1", 32, 20, "u8", 1, 16),
     "Q5_0": Q5_0("Q5_0", 32, 22, "u8", 1, 16),

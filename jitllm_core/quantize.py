@@ -1,7 +1,8 @@
-"""NumPy quantizers that write ggml's block byte layouts (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K).
+"""NumPy quantizers that write ggml's block byte layouts (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_K,
+Q6_K).
 
-They follow llama.cpp's reference quantizers (`quantize_row_*_ref` in ggml-quants.c), vectorized over
-blocks, so files written with them load in llama.cpp and the gguf package. Each block quantizer comes in
+They follow llama.cpp's reference quantizers (`quantize_row_*_ref` in ggml-quants.c; Q2_K and Q3_K a plainer
+fit of the same layouts), vectorized over blocks, so files written with them load in llama.cpp and the gguf package. Each block quantizer comes in
 two steps: `_parts_<type>` computes scales and integer quants in natural element order, `_quant_<type>` packs
 them into ggml's bytes; tests rebuild the values from the parts and compare them with gguf's dequantizers.
 """
@@ -16,7 +17,7 @@ QK_K = 256
 BLOCK = {
     "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
     "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20),
-    "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176), "Q6_K": (QK_K, 210),
+    "Q2_K": (QK_K, 84), "Q3_K": (QK_K, 110), "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176), "Q6_K": (QK_K, 210),
 }
 _CHUNK = 1 << 17  # elements per work item: temporaries stay in cache, and numpy's per-call cost stays small
 
@@ -288,6 +289,60 @@ def _parts_q6_k(b):
     return d, sc, q
 
 
+def _parts_q2_k(b):
+    """Q2_K: 16 sub-blocks of 16, 2-bit quants, 4-bit scales and mins under f16 d, dmin -- each sub-block's
+    min-max fit (not llama.cpp's search: a plainer, larger error)."""
+    x = b.reshape(-1, 16, 16)
+    mn = np.minimum(x.min(axis=-1), 0)
+    scale = (x.max(axis=-1) - mn) / 3
+    d, dmin = _f16(scale.max(axis=1) / 15), _f16(-mn.min(axis=1) / 15)
+    ls = np.minimum(15, np.rint(scale * _div(1, d.astype(np.float32))[:, None])).astype(np.uint8)
+    lm = np.minimum(15, np.rint(-mn * _div(1, dmin.astype(np.float32))[:, None])).astype(np.uint8)
+    ds = d.astype(np.float32)[:, None] * ls
+    dm = dmin.astype(np.float32)[:, None] * lm
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.clip(np.rint((x + dm[..., None]) / ds[..., None]), 0, 3)
+    return d, dmin, ls, lm, np.where(ds[..., None] == 0, 0, q).astype(np.uint8)
+
+
+def _crumbs(q):
+    """2-bit quants (blocks, 256) in ggml's order: bits 2j of byte 32 n + l hold element 128 n + 32 j + l."""
+    q = q.reshape(-1, 2, 4, 32)
+    return (q << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]).sum(axis=2, dtype=np.uint8).reshape(-1, 64)
+
+
+def _quant_q2_k(b):
+    d, dmin, ls, lm, q = _parts_q2_k(b)
+    return _bytes(ls | (lm << 4), _crumbs(q), d, dmin)
+
+
+def _parts_q3_k(b):
+    """Q3_K: 16 sub-blocks of 16, quants -4..3, 6-bit signed scales under an f16 d -- each sub-block's largest
+    magnitude to -4 (not llama.cpp's search)."""
+    x = b.reshape(-1, 16, 16)
+    scale = np.take_along_axis(x, np.abs(x).argmax(axis=-1)[..., None], axis=-1)[..., 0] / -4
+    max_s = np.take_along_axis(scale, np.abs(scale).argmax(axis=1)[:, None], axis=1)[:, 0]
+    iscale = _div(-32, max_s)
+    d = _f16(_div(1, iscale))
+    sc = np.clip(np.rint(iscale[:, None] * scale), -32, 31).astype(np.int8)
+    ds = d.astype(np.float32)[:, None] * sc
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.clip(np.rint(x / ds[..., None]), -4, 3)
+    return d, sc, np.where(ds[..., None] == 0, 0, q).astype(np.int8)
+
+
+def _quant_q3_k(b):
+    d, sc, q = _parts_q3_k(b)
+    u = (q.reshape(-1, 256) + 4).astype(np.uint8)  # 0..7: the high bit set means "no -4"
+    hm = (u >> 2).reshape(-1, 8, 32)  # [4 n + j][l]: bit 4 n + j of byte l
+    hmask = (hm << np.arange(8, dtype=np.uint8)[None, :, None]).sum(axis=1, dtype=np.uint8)
+    s = (sc.astype(np.int16) + 32).astype(np.uint8)  # 6 bits: low nibbles of 0-7 / 8-15, top bits by 4s
+    low = s[:, :8] & 15 | ((s[:, 8:] & 15) << 4)
+    high = ((s >> 4).reshape(-1, 4, 4) << (2 * np.arange(4, dtype=np.uint8))[None, :, None]).sum(axis=1,
+                                                                                                 dtype=np.uint8)
+    return _bytes(hmask, _crumbs(u & 3), low, high, d)
+
+
 def _quant_q6_k(b):
     d, sc, q = _parts_q6_k(b)
     u = (q.reshape(-1, 2, 4, 32) + 32).astype(np.uint8)  # per 128-element half: 4 runs of 32
@@ -300,5 +355,5 @@ def _quant_q6_k(b):
 _QUANTIZERS = {
     "F32": _quant_f32, "F16": _quant_f16, "BF16": _quant_bf16,
     "Q8_0": _quant_q8_0, "Q4_0": _quant_q4_0, "Q4_1": _quant_q4_1,
-    "Q4_K": _quant_q4_k, "Q5_K": _quant_q5_k, "Q6_K": _quant_q6_k,
+    "Q2_K": _quant_q2_k, "Q3_K": _quant_q3_k, "Q4_K": _quant_q4_k, "Q5_K": _quant_q5_k, "Q6_K": _quant_q6_k,
 }

@@ -1,4 +1,4 @@
-"""A model with k-quant matrices (Q4_K and Q6_K, the 1B benchmark model's formats, and Q5_K) and 5-bit ones (Q5_0,
+"""A model with k-quant matrices (Q4_K and Q6_K, the 1B benchmark model's formats, Q5_K, Q3_K, Q2_K) and 5-bit ones (Q5_0,
 Q5_1: what llama.cpp's Q4_K_M falls back to for rows that are not whole 256-blocks) through the engine against HF
 transformers on the same file (the layouts' kernels alone: test_quant_formats, and as a VNNI machine runs them:
 test_other_cpus)."""
@@ -12,10 +12,13 @@ from test_model import PROMPTS
 gguf = pytest.importorskip("gguf")
 
 
+K_QUANTS = ("Q4_K", "Q6_K", "Q5_K", "Q3_K", "Q2_K")
+
+
 @pytest.fixture(scope="module")
 def k_quant_model(default_model, tmp_path_factory):
     """The default model with its FFN down projections (the only matrices whose rows are whole 256-blocks)
-    requantized from the file's values by jitllm's quantizer -- Q4_K, Q6_K, Q5_K in turn -- and its V projections
+    requantized from the file's values by jitllm's quantizer -- K_QUANTS in turn -- and its V projections
     by gguf's, Q5_0 and Q5_1 in turn."""
     out = tmp_path_factory.mktemp("k_quants") / "smollm2-k-quants.gguf"
     r = gguf.GGUFReader(default_model)
@@ -30,7 +33,7 @@ def k_quant_model(default_model, tmp_path_factory):
         data, kind = t.data, t.tensor_type
         layer = int(t.name.split(".")[1]) if t.name.startswith("blk.") else 0
         if t.name.endswith("ffn_down.weight"):
-            kind = gguf.GGMLQuantizationType[("Q4_K", "Q6_K", "Q5_K")[layer % 3]]
+            kind = gguf.GGMLQuantizationType[K_QUANTS[layer % len(K_QUANTS)]]
             data = quantize.quantize(gguf.quants.dequantize(t.data, t.tensor_type), kind.name)
         elif t.name.endswith("attn_v.weight"):
             kind = gguf.GGMLQuantizationType[("Q5_0", "Q5_1")[layer % 2]]
@@ -52,7 +55,7 @@ def engine(cpu, k_quant_model):
 
 def test_model_has_the_formats_meant(k_quant_model):
     kinds = {t.tensor_type.name for t in gguf.GGUFReader(k_quant_model).tensors if "ffn_down" in t.name}
-    assert kinds == {"Q4_K", "Q6_K", "Q5_K"}
+    assert kinds == set(K_QUANTS)
     kinds = {t.tensor_type.name for t in gguf.GGUFReader(k_quant_model).tensors if "attn_v" in t.name}
     assert kinds == {"Q5_0", "Q5_1"}
 

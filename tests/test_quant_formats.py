@@ -7,8 +7,8 @@ from backend_check import run_on_device
 from jitllm_core import interp, ir, ops, quant
 
 gguf = pytest.importorskip("gguf")
-HALF_OFFSETS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
-                "Q6_K": [208]}
+HALF_OFFSETS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q2_K": [80, 82], "Q3_K": [108],
+                "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 
 
 def random_tensor(name, rows, cols, rng):
@@ -155,8 +155,8 @@ def test_interleaved_layouts_keep_odd_row_counts_in_the_file_format():
 
 def test_unsupported_format_is_named():
     from jitllm_core.errors import ModelFileError
-    with pytest.raises(ModelFileError, match="Q3_K is not supported"):
-        quant.get_format("Q3_K", 256, "model.gguf: tensor 'blk.0.attn_q.weight'")
+    with pytest.raises(ModelFileError, match="IQ4_NL is not supported"):
+        quant.get_format("IQ4_NL", 256, "model.gguf: tensor 'blk.0.attn_q.weight'")
     with pytest.raises(ModelFileError, match="not a multiple"):
         quant.get_format("Q4_K", 200, "model.gguf: tensor 'x'")
 
