@@ -17,8 +17,9 @@ import numpy as np
 from . import faults, ir, ops, quant, registry, tuning
 from .errors import ContextLimitError, JitllmError, check_whole
 from .kvcache import PagePool, Sequence
-from .llama import Llama, ModelFile, interleaves, rope_table
+from .llama import Llama, interleaves, rope_table
 from .memory import Arena
+from .modelfile import ModelFile
 from .models import default_model_path
 from .placement import device_name, resolve
 from .plugin import Launch

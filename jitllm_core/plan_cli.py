@@ -71,7 +71,8 @@ def run_plan_here(args) -> int:
     """Plan for the devices of this machine (measured bandwidths) and a real model file."""
     from . import planner, registry
     from .engine import PAGE, STEP_TOKENS, Engine
-    from .llama import Llama, ModelFile
+    from .llama import Llama
+    from .modelfile import ModelFile
     from .memory import Arena
     from .models import default_model_path
 

@@ -2,7 +2,8 @@
 no model file: the shape and tensor types are enough to build the kernels)."""
 import pytest
 
-from jitllm_core.llama import Config, SpecFile, interleaves, model_kernels
+from jitllm_core.llama import interleaves, model_kernels
+from jitllm_core.modelfile import Config, SpecFile
 
 jitllm_cuda = pytest.importorskip("jitllm_cuda", reason="the jitllm-cuda plugin is not installed")
 from jitllm_cuda.backend import CudaBackend  # noqa: E402

@@ -313,7 +313,7 @@ def llama_gguf(tmp_path, embd_rows=3, extra=(), **changes):
 
 
 def test_a_valid_config_opens(tmp_path):
-    from jitllm_core.llama import ModelFile
+    from jitllm_core.modelfile import ModelFile
     cfg = ModelFile(llama_gguf(tmp_path)).config
     assert (cfg.n_layer, cfg.dim, cfg.n_head, cfg.n_kv, cfg.head_dim, cfg.vocab) == (1, 8, 2, 2, 4, 3)
 
@@ -331,12 +331,12 @@ def test_a_valid_config_opens(tmp_path):
     ({"llama.attention.layer_norm_rms_epsilon": (STRING, "tiny")}, "layer_norm_rms_epsilon is 'tiny'; a number"),
 ])
 def test_a_config_value_no_model_has_is_named(tmp_path, changes, problem):
-    from jitllm_core.llama import ModelFile
+    from jitllm_core.modelfile import ModelFile
     expect_error(llama_gguf(tmp_path, **changes), problem, opener=ModelFile)
 
 
 def test_more_tokens_than_embedding_rows_is_refused(tmp_path):
-    from jitllm_core.llama import ModelFile
+    from jitllm_core.modelfile import ModelFile
     expect_error(llama_gguf(tmp_path, embd_rows=2), "the tokenizer has 3 tokens but token_embd.weight only 2 rows",
                  opener=ModelFile)
 
@@ -349,7 +349,7 @@ def test_more_tokens_than_embedding_rows_is_refused(tmp_path):
     ({"vocab_size": None}, "missing key 'vocab_size'"),
 ])
 def test_a_config_json_value_no_model_has_is_named(tmp_path, changes, problem):
-    from jitllm_core.llama import ModelFile
+    from jitllm_core.modelfile import ModelFile
     folder = hf_folder(tmp_path, {"model.safetensors": safetensors_bytes({"w": ("F32", W)})})
     config = {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 8, "num_attention_heads": 2,
               "intermediate_size": 16, "vocab_size": 3, "rms_norm_eps": 1e-5, **changes}
@@ -358,7 +358,7 @@ def test_a_config_json_value_no_model_has_is_named(tmp_path, changes, problem):
 
 
 def test_rope_scaling_of_a_gguf(tmp_path):
-    from jitllm_core.llama import ModelFile
+    from jitllm_core.modelfile import ModelFile
     base = 1.0 / 10000.0 ** (np.arange(0, 4, 2) / 4)  # head size 8 / 2 heads = 4: two rotary pairs
     assert np.allclose(ModelFile(llama_gguf(tmp_path)).rope_freqs(), base)
     linear = {"llama.rope.scaling.type": (STRING, "linear"), "llama.rope.scaling.factor": (F32, 4.0)}
@@ -384,7 +384,7 @@ def test_rope_scaling_of_a_gguf(tmp_path):
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0}}, "above low_freq_factor"),
 ])
 def test_rope_of_a_config_json(tmp_path, rope, want):
-    from jitllm_core.llama import ModelFile, _hf_rope
+    from jitllm_core.modelfile import ModelFile, _hf_rope
     config = {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 8, "num_attention_heads": 2,
               "intermediate_size": 16, "vocab_size": 3, "rms_norm_eps": 1e-5, **rope}
     if isinstance(want, tuple):
@@ -397,7 +397,7 @@ def test_rope_of_a_config_json(tmp_path, rope, want):
 
 def test_weights_the_architecture_does_not_read_are_refused(tmp_path):
     """An output bias (Llama's attention_bias) or an MLP bias left out would give wrong logits without a word."""
-    from jitllm_core.llama import ModelFile
+    from jitllm_core.modelfile import ModelFile
     assert ModelFile(llama_gguf(tmp_path, extra=["output_norm.weight", "blk.0.attn_norm.weight"])).config
     expect_error(llama_gguf(tmp_path, extra=["blk.0.attn_output.bias", "blk.0.ffn_up.bias"]),
                  "tensor 'blk.0.attn_output.bias' (and 1 more) is not used by the architecture", opener=ModelFile)
@@ -420,7 +420,7 @@ def test_weights_the_architecture_does_not_read_are_refused(tmp_path):
 
 def test_sliding_window_attention_caps_the_context(tmp_path):
     """Up to its window, sliding-window attention is full attention: the context stops there."""
-    from jitllm_core.llama import _sliding_window
+    from jitllm_core.modelfile import _sliding_window
     where = tmp_path / "config.json"
     assert _sliding_window(where, {"model_type": "mistral", "sliding_window": 4096}) == 4096
     assert _sliding_window(where, {"model_type": "mistral", "sliding_window": None}) > 10 ** 9

@@ -9,7 +9,7 @@ import argparse
 import sys
 
 import jitllm_core as jl
-from jitllm_core.llama import ModelFile
+from jitllm_core.modelfile import ModelFile
 
 PROMPT = "The capital of France is"
 

@@ -1,0 +1,312 @@
+"""Model files seen the same way whatever their format: a GGUF file or an HF safetensors folder (config.json and
+its tensors) becomes a `Config`, a table of tensors under GGUF's names, and a tokenizer. Values no model has, and
+models the Llama builder would compute wrong (weights it does not read, a rope scaling it does not know), are
+refused here, naming the file and the key.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ModelFileError
+
+@dataclass
+class Config:
+    n_layer: int
+    dim: int
+    n_head: int
+    n_kv: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    eps: float
+    rope_base: float
+    context: int
+    bias: bool = False
+    rope_scaling: dict = field(default_factory=dict)
+
+    def check(self, where, keys):
+        """Refuse values no model has (a zero head count, a NaN epsilon...), naming the file and the key each
+        came from (keys: field -> key); they would otherwise divide by zero or turn every logit into NaN."""
+        for f in ("n_layer", "dim", "n_head", "n_kv", "head_dim", "ffn", "vocab", "context"):
+            least = 0 if f == "n_layer" else 1
+            if getattr(self, f) < least:
+                raise ModelFileError(where, f"{keys[f]} is {getattr(self, f)}; it must be at least {least}")
+        if not math.isfinite(self.eps) or self.eps < 0:
+            raise ModelFileError(where, f"{keys['eps']} is {self.eps}; it must be a finite number >= 0")
+        if not math.isfinite(self.rope_base) or self.rope_base <= 0:
+            raise ModelFileError(where, f"{keys['rope_base']} is {self.rope_base}; it must be a finite number > 0")
+
+
+def _number(where, key, value, kind):
+    """A config value as kind (int or float), or an error naming the key: files may hold a string there."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int and ok and isinstance(value, float):
+        ok = value.is_integer()
+    if not ok:
+        raise ModelFileError(where, f"{key} is {value!r}; {'a whole number' if kind is int else 'a number'} is needed")
+    return kind(value)
+
+
+# rope scalings computed here -> their parameters, with the default of each that may be left out (None: required)
+ROPE_SCALINGS = {"linear": {"factor": None},
+                 "llama3": {"factor": None, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192}}
+
+
+def _rope_scaling(where, key, s):
+    """The rope scaling a model asks for, as {"rope_type": kind, parameter: float}; {} for none. A kind not
+    computed here (yarn, dynamic, longrope...) is refused: left out, it would give wrong logits silently."""
+    if not s:
+        return {}
+    if not isinstance(s, dict):
+        raise ModelFileError(where, f"{key} is {s!r}; a table of rope scaling parameters is needed")
+    kind = s.get("rope_type", s.get("type"))
+    if kind in (None, "default", "none"):
+        return {}
+    if kind not in ROPE_SCALINGS:
+        raise ModelFileError(where, f"{key}: rope scaling {kind!r} is not supported ({', '.join(ROPE_SCALINGS)} are)")
+    out = {"rope_type": kind}
+    for name, default in ROPE_SCALINGS[kind].items():
+        v = s.get(name, default)
+        if v is None:
+            raise ModelFileError(where, f"{key}: rope scaling {kind!r} needs {name!r}")
+        out[name] = _number(where, f"{key}.{name}", v, float)
+        if not math.isfinite(out[name]) or out[name] <= 0:
+            raise ModelFileError(where, f"{key}.{name} is {v!r}; it must be a finite number > 0")
+    if kind == "llama3" and out["high_freq_factor"] <= out["low_freq_factor"]:
+        raise ModelFileError(where, f"{key}: high_freq_factor must be above low_freq_factor")
+    return out
+
+
+def _hf_rope(where, c):
+    """(the key of rope theta, its value, the rope scaling) from a config.json: transformers 5 writes theta and the
+    scaling into one rope_parameters table, earlier versions rope_theta and rope_scaling at the top."""
+    key = "rope_parameters" if "rope_parameters" in c else "rope_scaling"
+    table = c.get(key) or {}
+    scaling = _rope_scaling(where, key, table)  # also refuses a table that is not one
+    if key == "rope_parameters":
+        theta_key, theta = "rope_parameters.rope_theta", table.get("rope_theta")
+    else:
+        theta_key, theta = "rope_theta", c.get("rope_theta")
+    return theta_key, _number(where, theta_key, 1e4 if theta is None else theta, float), scaling
+
+
+def _sliding_window(where, c):
+    """The positions a config.json's sliding-window attention sees whole (none: no limit): up to the window it
+    equals full attention, so the context is capped there rather than computed wrong beyond it."""
+    window = c.get("sliding_window")
+    if window is None or (c["model_type"] == "qwen2" and not c.get("use_sliding_window")):
+        return 1 << 62
+    return _number(where, "sliding_window", window, int)
+
+
+def _refuse_unused(where, names):
+    """Weights the architecture does not read (an output bias, an MLP bias...) mean a model it would compute
+    wrong: refused rather than ignored."""
+    if names:
+        first = sorted(names)[0]
+        more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+        raise ModelFileError(where, f"tensor {first!r}{more} is not used by the architecture as jitllm computes it, "
+                                    "so this model is not supported")
+
+
+@dataclass
+class Tensor:
+    name: str
+    shape: tuple
+    type_name: str
+    raw: callable  # -> uint8 array of the tensor's bytes (a view of the mapped file)
+
+
+class _Tensors:
+    def tensor(self, name, shape):
+        t = self.tensors.get(name)
+        if t is None:
+            raise ModelFileError(self.path, f"missing tensor {name!r}")
+        if tuple(t.shape) != tuple(shape):
+            raise ModelFileError(self.path, f"tensor {name!r} has shape {tuple(t.shape)}, the architecture needs "
+                                            f"{tuple(shape)}")
+        return t
+
+
+class SpecFile(_Tensors):
+    """A model known only by its config and tensor types -- no data: enough to build every kernel, e.g. to
+    compile ahead of time for a shape that is not on disk. types: tensor name -> (shape, type name)."""
+
+    def __init__(self, config: Config, types: dict, path="<spec>"):
+        self.path, self.config = path, config
+        self.tensors = {n: Tensor(n, shape, t, None) for n, (shape, t) in types.items()}
+
+
+class ModelFile(_Tensors):
+    """A GGUF file or an HF safetensors folder, seen through GGUF tensor names."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        if self.path.is_dir():
+            self._open_hf()
+        elif self.path.exists():
+            self._open_gguf()
+        else:
+            raise ModelFileError(self.path, "no such file or folder")
+
+    # -- GGUF
+    def _open_gguf(self):
+        from .gguf import GGUFFile
+        from .tokenizer import Tokenizer
+        g = self.gguf = GGUFFile(self.path)
+        arch = g.get("general.architecture")
+        if arch not in ("llama", "qwen2"):
+            raise ModelFileError(self.path, f"architecture {arch!r} is not supported (llama, qwen2)")
+        p = lambda key, kind, *d: _number(self.path, f"{arch}.{key}", g.get(f"{arch}.{key}", *d), kind)
+        n_head = p("attention.head_count", int)
+        dim = p("embedding_length", int)
+        emb = g.tensors.get("token_embd.weight")
+        if emb is None:
+            raise ModelFileError(self.path, "missing tensor 'token_embd.weight'")
+        self.config = Config(
+            n_layer=p("block_count", int), dim=dim, n_head=n_head, n_kv=p("attention.head_count_kv", int, n_head),
+            head_dim=p("rope.dimension_count", int, dim // n_head if n_head > 0 else 0),
+            ffn=p("feed_forward_length", int), vocab=int(emb.shape[0]), eps=p("attention.layer_norm_rms_epsilon", float),
+            rope_base=p("rope.freq_base", float, 10000.0), context=p("context_length", int), bias=arch == "qwen2",
+            rope_scaling=_rope_scaling(self.path, f"{arch}.rope.scaling", self._gguf_rope_scaling(arch)))
+        self.config.check(self.path, dict(
+            n_layer=f"{arch}.block_count", dim=f"{arch}.embedding_length", n_head=f"{arch}.attention.head_count",
+            n_kv=f"{arch}.attention.head_count_kv", head_dim=f"{arch}.rope.dimension_count",
+            ffn=f"{arch}.feed_forward_length", vocab="the rows of token_embd.weight",
+            eps=f"{arch}.attention.layer_norm_rms_epsilon", rope_base=f"{arch}.rope.freq_base",
+            context=f"{arch}.context_length"))
+        self.tensors = {n: Tensor(n, t.shape, t.type_name, (lambda n=n: g.raw(n))) for n, t in g.tensors.items()}
+        _refuse_unused(self.path, set(g.tensors) - self.tensor_names())
+        self.tokenizer = Tokenizer.from_gguf(g)
+        if self.tokenizer.vocab_size > self.config.vocab:  # the embedding would be read past its last row
+            raise ModelFileError(self.path, f"the tokenizer has {self.tokenizer.vocab_size} tokens but "
+                                            f"token_embd.weight only {self.config.vocab} rows")
+
+    def _gguf_rope_scaling(self, arch):
+        """rope.scaling.type and .factor (or the older rope.scale_linear); Llama 3's scaling is instead baked
+        into a rope_freqs.weight tensor."""
+        g = self.gguf
+        factor = g.get(f"{arch}.rope.scaling.factor", None) or g.get(f"{arch}.rope.scale_linear", None)
+        kind = g.get(f"{arch}.rope.scaling.type", "linear" if factor else None)
+        return {"rope_type": kind, "factor": factor} if kind else {}
+
+    def tensor_names(self):
+        """Every tensor the architecture reads (GGUF names), optional ones included."""
+        cfg, names = self.config, {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"}
+        for i in range(cfg.n_layer):
+            names.update(f"blk.{i}.{g}.weight" for g in self.HF_NAMES)
+            if cfg.bias:
+                names.update(f"blk.{i}.{g}.bias" for g in ("attn_q", "attn_k", "attn_v"))
+        return names
+
+    # -- HF safetensors folder
+    HF_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}
+
+    def _open_hf(self):
+        from .safetensors import SafetensorsFolder
+        from .tokenizer import Tokenizer
+        st = SafetensorsFolder(self.path)
+        c = st.config
+        where = self.path / "config.json"
+
+        def need(key, kind=None, default=None):
+            """c[key] as kind; a key missing or null takes the default, if there is one."""
+            v = c.get(key)
+            if v is None:
+                if default is None:
+                    raise ModelFileError(where, f"missing key {key!r}")
+                v = default
+            return v if kind is None else _number(where, key, v, kind)
+        if need("model_type") not in ("llama", "qwen2", "mistral"):
+            raise ModelFileError(where, f"model_type {c['model_type']!r} is not supported")
+        if c.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ModelFileError(where, f"hidden_act {c['hidden_act']!r} is not supported (silu)")
+        n_head, dim = need("num_attention_heads", int), need("hidden_size", int)
+        theta_key, theta, scaling = _hf_rope(where, c)
+        self.config = Config(
+            n_layer=need("num_hidden_layers", int), dim=dim, n_head=n_head,
+            n_kv=need("num_key_value_heads", int, n_head),
+            head_dim=need("head_dim", int, dim // n_head if n_head > 0 else 0),
+            ffn=need("intermediate_size", int), vocab=need("vocab_size", int), eps=need("rms_norm_eps", float),
+            rope_base=theta, context=min(need("max_position_embeddings", int, 4096), _sliding_window(where, c)),
+            bias=c["model_type"] == "qwen2", rope_scaling=scaling)
+        cfg = self.config
+        cfg.check(where, dict(n_layer="num_hidden_layers", dim="hidden_size", n_head="num_attention_heads",
+                              n_kv="num_key_value_heads", head_dim="head_dim", ffn="intermediate_size",
+                              vocab="vocab_size", eps="rms_norm_eps", rope_base=theta_key,
+                              context="max_position_embeddings"))
+        self.tensors, used = {}, set()
+
+        def add(gguf_name, hf_name, permute_heads=0):
+            t = st.tensors.get(hf_name)
+            if t is None:
+                return
+            used.add(hf_name)
+            raw = lambda t=t: st.raw(t.name)
+            if permute_heads:  # HF rotates halves; our rope rotates adjacent pairs, as GGUF stores Q and K
+                raw = lambda t=t, h=permute_heads: _permute_rows(st.raw(t.name), t, h)
+            self.tensors[gguf_name] = Tensor(gguf_name, t.shape, t.type_name, raw)
+        add("token_embd.weight", "model.embed_tokens.weight")
+        add("output_norm.weight", "model.norm.weight")
+        add("output.weight", "lm_head.weight")
+        for i in range(cfg.n_layer):
+            for g, h in self.HF_NAMES.items():
+                heads = {"attn_q": cfg.n_head, "attn_k": cfg.n_kv}.get(g, 0)
+                add(f"blk.{i}.{g}.weight", f"model.layers.{i}.{h}.weight", heads)
+                if cfg.bias and g in ("attn_q", "attn_k", "attn_v"):
+                    add(f"blk.{i}.{g}.bias", f"model.layers.{i}.{h}.bias", heads)
+        # older checkpoints saved the rotary frequencies, which are computed from the config instead
+        _refuse_unused(self.path, {n for n in st.tensors if n not in used and not n.endswith("rotary_emb.inv_freq")})
+        if "output.weight" not in self.tensors and c.get("tie_word_embeddings") is False:
+            raise ModelFileError(self.path, "lm_head.weight is missing and config.json says tie_word_embeddings: false")
+        self.tokenizer = Tokenizer.from_hf_folder(self.path)
+
+    def f32(self, name, shape):
+        """A small tensor (norm weight, bias) as f32."""
+        t = self.tensor(name, shape)
+        raw = t.raw()
+        if t.type_name == "F32":
+            return np.frombuffer(raw, np.float32).copy()
+        if t.type_name == "F16":
+            return np.frombuffer(raw, np.float16).astype(np.float32)
+        if t.type_name == "BF16":
+            return (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
+        raise ModelFileError(self.path, f"tensor {name!r} has type {t.type_name}; a float type is needed here")
+
+    def rope_freqs(self):
+        """Per-pair inverse frequencies, with Llama-3 scaling applied when the model carries it."""
+        cfg = self.config
+        half = cfg.head_dim // 2
+        inv = 1.0 / (cfg.rope_base ** (np.arange(0, cfg.head_dim, 2, dtype=np.float32) / cfg.head_dim))
+        if "rope_freqs.weight" in self.tensors:
+            inv = inv / self.f32("rope_freqs.weight", (half,))
+        kind = cfg.rope_scaling.get("rope_type")
+        if kind == "linear":  # positions divided by the factor
+            inv = inv / cfg.rope_scaling["factor"]
+        elif kind == "llama3":
+            inv = _llama3_scaling(inv, cfg.rope_scaling)
+        return inv.astype(np.float32)
+
+
+def _permute_rows(raw, t, n_heads):
+    """Reorder each head's rows (or bias entries) from HF's two halves to GGUF's interleaved pairs."""
+    hd = t.shape[0] // n_heads
+    return np.ascontiguousarray(raw.reshape(n_heads, 2, hd // 2, -1).swapaxes(1, 2)).reshape(-1)
+
+
+def _llama3_scaling(inv, s):
+    factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old = s.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / inv
+    smooth = (old / wavelen - lo) / (hi - lo)
+    scaled = np.where(wavelen > old / lo, inv / factor, inv)
+    mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+    return np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
