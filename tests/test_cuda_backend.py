@@ -252,6 +252,12 @@ def test_staged_serial_sums_keep_the_order(name):
     assert_matches_interpreter(emu.EmuDevice(), k, inputs_for(k), scalars, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", WIDE)
+def test_wide_row_dots_compile_with_nvrtc(name):
+    cubin, _ = compiler.compile_cubin(lower(wide_dot(name)[0]).source, "sm_90", f"dot_{name}")
+    assert cubin[:4] == b"\x7fELF"
+
+
 @pytest.mark.skipif(not emu.available(), reason="no g++ for the host emulation")
 @pytest.mark.parametrize("name", WIDE)
 def test_wide_row_dots_match_interpreter(name):
