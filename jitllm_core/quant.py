@@ -7,18 +7,18 @@ pairs that lane yields -- written so that lanes read contiguous bytes, which is 
 on every backend. Dot products (`row_dot`) and dequantization (`dequant_kernel`) are both derived from
 `terms`, so a new format added here works everywhere, with no plugin change.
 
-At load, the ggml 8-, 4-, 5- and 6-bit formats are repacked (`repack`) into *row-interleaved* layouts of the
-same values (`Interleaved`: R8, R4, R5, R4K, R5K, R6; Q2_K and Q3_K stay as the file has them): ROWS rows stored together, each field of a block holding the rows'
+At load, the ggml formats are repacked (`repack`) into *row-interleaved* layouts of the same values
+(`Interleaved`: R8, R4, R5, R2K, R3K, R4K, R5K, R6): ROWS rows stored together, each field of a block holding the rows'
 bytes side by side, so that a vector whose lanes are rows reads every field -- scales as well as quants -- with one
 contiguous load and a dot product keeps each row's sum in its own lane (no horizontal sum per block, no scale
-broadcast). R4, R5, R4K, R5K and R6 are *dot4 layouts*: their fields are words (4 weights to a word: 4-bit ones in
-the file's nibble order, their fifth bits in a word of their own, Q6_K's q whole), and their dots multiply the weights' integers by the input's
+broadcast). All but R8 are *dot4 layouts*: their fields are words (4 weights to a word: 4-bit ones in the file's
+nibble order, 2-bit ones a shift apart, the top bits of 5- and 3-bit ones in words of their own, Q6_K's q whole), and their dots multiply the weights' integers by the input's
 (`ops.quantize_input`: 3 signed base-256 digits per element, each within 2^-24 of its span's largest) with
 `ir.dot4`, 4 byte products to a lane per instruction where the CPU has VNNI, then apply the scales in f32
 (d * scale * sum q x + offset * sum x, the input's sums read for the offsets). Sizes are the file's (Q4_K's
 packed 6-bit scales stay packed, unpacked a word at a time in the dot), but Q6_K's 212 bytes a block instead of
-210, to keep words whole, and Q4_0's and Q5_0's 20 and 24 instead of 18 and 22: their offsets (-8 d, -16 d)
-stored as Q4_1's and Q5_1's are.
+210, to keep words whole, Q3_K's 116 instead of 110 (its scales unpacked), and Q4_0's and Q5_0's 20 and 24
+instead of 18 and 22: their offsets (-8 d, -16 d) stored as Q4_1's and Q5_1's are.
 """
 from __future__ import annotations
 
@@ -356,9 +356,9 @@ def _digit_dot(sums):
     return sum(parts[1:], parts[0])
 
 
-def _spread4(bits):
-    """4 bits (0..15) -> a word whose byte j is 16 times bit j: the fifth bits of 4 elements in place."""
-    return ((bits * 0x00204081) & 0x01010101) << 4
+def _spread4(bits, to=4):
+    """4 bits (0..15) -> a word whose byte j holds bit j at bit `to`: the top bits of 4 elements in place."""
+    return ((bits * 0x00204081) & 0x01010101) << to
 
 
 def _quants(k, buf, at, off, fifth, w):
@@ -371,6 +371,14 @@ def _quants(k, buf, at, off, fifth, w):
         return low, high
     h = _word(k, buf, at(fifth, 4)) >> 8 * w
     return low | _spread4(h & 15), high | _spread4((h >> 4) & 15)
+
+
+def _quad_dot(q, inp, e0):
+    """sum q * x over the 16 elements from e0 whose q are the 4 words q (byte j of word i: element 4i + j), q
+    unscaled: a dot4 of each word with each digit of the input."""
+    sums = [sum((ir.dot4(q[i], inp.word(g, e0 + 4 * i)) for i in range(1, 4)), ir.dot4(q[0], inp.word(g, e0)))
+            for g in range(inp.digits)]
+    return _digit_dot(sums) * inp.scale(e0)
 
 
 def _nibble_dot(k, buf, at, off, inp, e0, fifth=None):
@@ -456,6 +464,74 @@ class R5K(R4K):
     fifth = 16
 
 
+class R2K(Interleaved):
+    """Q2_K's super-blocks of 256: [d f16, dmin f16][16 bytes: sub-block s's scale in the low nibble, its min in
+    the high][16 words of 2-bit q, sub-block s's a word: bits 2i of byte j for its element 4i + j] per row (the
+    file's 84 bytes); value = d * scale_s * q - dmin * min_s. Pieces: quarters of 4 sub-blocks of 16."""
+    digits = True
+    pieces = 4
+
+    def subs(self, k, buf, at, piece):
+        """[(scale, offset, field of the q word, first element)] of the piece's 4 sub-blocks"""
+        dm = _word(k, buf, at(0, 4))
+        d, dmin = ir.f16bits(dm), ir.f16bits(dm >> 16)
+        sm = _word(k, buf, at(4 + 4 * piece, 4))
+        return [(d * F((sm >> 8 * j) & 15), -(dmin * F((sm >> 8 * j + 4) & 15)), 20 + 4 * (4 * piece + j),
+                 16 * (4 * piece + j)) for j in range(4)]
+
+    @staticmethod
+    def crumbs(k, buf, at, off):
+        """the 4 words of q of a sub-block, byte j of word i: element 4 i + j"""
+        w = _word(k, buf, at(off, 4))
+        return [(w >> 2 * i) & 0x03030303 for i in range(4)]
+
+    def block_dot(self, k, buf, at, inp, piece):
+        parts = []
+        for scale, offset, off, e0 in self.subs(k, buf, at, piece):
+            parts.append(scale * _quad_dot(self.crumbs(k, buf, at, off), inp, e0) + offset * inp.sum(e0))
+        return sum(parts[1:], parts[0])
+
+    def piece_values(self, k, buf, at, piece):
+        return [(e0 + 4 * i + j, scale * F((q >> 8 * j) & 3) + offset)
+                for scale, offset, off, e0 in self.subs(k, buf, at, piece)
+                for i, q in enumerate(self.crumbs(k, buf, at, off)) for j in range(4)]
+
+
+class R3K(Interleaved):
+    """Q3_K's super-blocks of 256: [d f16, 2 bytes unused][16 signed scales (the file's 6-bit ones less 32)][16
+    words of the low 2 bits of q + 4, as R2K's][8 words of their third bits: word t sub-blocks 2t (bits 0-15) and
+    2t + 1 (16-31), bit 4i + j for element 4i + j] per row (116 bytes for the file's 110); value = d * scale_s *
+    (u - 4), u = q + 4 in 0..7. A dot reads u (crumbs or'ed with the spread third bits) and subtracts 4 times the
+    input's sums. Pieces: quarters of 4 sub-blocks of 16."""
+    digits = True
+    pieces = 4
+
+    def subs(self, k, buf, at, piece):
+        """[(scale, field of the crumb word, field of the third bits, their shift, first element)] of the piece's
+        4 sub-blocks"""
+        d = ir.f16bits(_word(k, buf, at(0, 4)))
+        sw = _word(k, buf, at(4 + 4 * piece, 4))
+        return [(d * F((sw << 24 - 8 * j) >> 24), 20 + 4 * s, 84 + 4 * (s // 2), 16 * (s % 2), 16 * s)
+                for j, s in ((j, 4 * piece + j) for j in range(4))]
+
+    @staticmethod
+    def quads(k, buf, at, off, hoff, shift):
+        """the 4 words of u of a sub-block, byte j of word i: element 4 i + j"""
+        w, h = _word(k, buf, at(off, 4)), _word(k, buf, at(hoff, 4)) >> shift
+        return [((w >> 2 * i) & 0x03030303) | _spread4((h >> 4 * i) & 15, 2) for i in range(4)]
+
+    def block_dot(self, k, buf, at, inp, piece):
+        parts = []
+        for scale, off, hoff, shift, e0 in self.subs(k, buf, at, piece):
+            parts.append(scale * (_quad_dot(self.quads(k, buf, at, off, hoff, shift), inp, e0) - 4.0 * inp.sum(e0)))
+        return sum(parts[1:], parts[0])
+
+    def piece_values(self, k, buf, at, piece):
+        return [(e0 + 4 * i + j, scale * F(((q >> 8 * j) & 7) - 4))
+                for scale, off, hoff, shift, e0 in self.subs(k, buf, at, piece)
+                for i, q in enumerate(self.quads(k, buf, at, off, hoff, shift)) for j in range(4)]
+
+
 class R8(Interleaved):
     """Q8_0's blocks of 32: [d f16][32 bytes of int8] per row; value = d * q."""
     def block_dot(self, k, buf, at, inp, piece):
@@ -490,11 +566,8 @@ class R6(Interleaved):
         d, subs, n = ir.f16bits(_word(k, buf, at(0, 4))), [], 16 // self.pieces
         for j in range(n):
             s, e0 = piece * n + j, piece * 16 * n + 16 * j
-            q = self.quads(k, buf, at, s)
-            sums = [sum((ir.dot4(q[i], inp.word(g, e0 + 4 * i)) for i in range(1, 4)), ir.dot4(q[0], inp.word(g, e0)))
-                    for g in range(inp.digits)]
             subs.append((d * self.scale(k, buf, at, *_byte_of(piece, n, j)))
-                        * (_digit_dot(sums) * inp.scale(e0) - 32.0 * inp.sum(e0)))
+                        * (_quad_dot(self.quads(k, buf, at, s), inp, e0) - 32.0 * inp.sum(e0)))
         return sum(subs[1:], subs[0])
 
     def piece_values(self, k, buf, at, piece):
@@ -531,6 +604,8 @@ PACKED = {
     "R4K": R4K("R4K", 256, 144, "u8", 1, ROWS),
     "R5K": R5K("R5K", 256, 176, "u8", 1, ROWS),
     "R6": R6("R6", 256, 212, "u8", 1, ROWS),
+    "R2K": R2K("R2K", 256, 84, "u8", 1, ROWS),
+    "R3K": R3K("R3K", 256, 116, "u8", 1, ROWS),
 }
 
 
@@ -615,6 +690,38 @@ def _pack_q5_k(b, rows):
                                        axis=1))
 
 
+def _pack_q2_k(b, rows):
+    qs = b[:, 16:80].reshape(-1, 2, 1, 2, 16)                                 # [n][.][h][l]
+    q = (qs >> (2 * np.arange(4, dtype=np.uint8))[None, None, :, None, None]) & 3  # [n][j][h][l]: sub-block 8n+2j+h
+    q = q.reshape(-1, 16, 4, 4)                                                # [s][i][j]: element 4i + j
+    words = (q << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]).sum(axis=2, dtype=np.uint8)
+    return _words(rows, np.concatenate([b[:, 80:84], b[:, 0:16], words.reshape(-1, 64)], axis=1))
+
+
+def _q3_k_scales(sc):
+    """Q3_K's 12 bytes of packed 6-bit scales -> the 16 scales less 32 (int8): scale 4a + b's low nibble from
+    byte 4 (a % 2) + b (its high nibble for a >= 2), its top 2 bits from byte 8 + b, bits 2a."""
+    a, b = np.arange(16) // 4, np.arange(16) % 4
+    low = (sc[:, 4 * (a % 2) + b] >> (4 * (a // 2)).astype(np.uint8)) & 15
+    high = (sc[:, 8 + b] >> (2 * a).astype(np.uint8)) & 3
+    return ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
+
+
+def _pack_q3_k(b, rows):
+    shifts = np.arange(4, dtype=np.uint8)
+    qs = b[:, 32:96].reshape(-1, 2, 1, 2, 16)                                 # [n][.][h][l]
+    low = (qs >> (2 * shifts)[None, None, :, None, None]) & 3                 # [n][j][h][l]: sub-block 8n+2j+h
+    hm = b[:, 0:32].reshape(-1, 1, 1, 2, 16)
+    high = (hm >> (4 * np.arange(2, dtype=np.uint8)[:, None] + shifts)[None, :, :, None, None]) & 1
+    low = low.reshape(-1, 16, 4, 4)                                            # [s][i][j]: element 4i + j
+    words = (low << (2 * shifts)[None, None, :, None]).sum(axis=2, dtype=np.uint8).reshape(-1, 64)
+    bits = (high.reshape(-1, 8, 2, 16).astype(np.uint32) << np.arange(32, dtype=np.uint32).reshape(2, 16)).sum(
+        axis=(2, 3), dtype=np.uint32)                                          # word t: sub-blocks 2t, 2t + 1
+    unused = np.zeros((len(b), 2), np.uint8)
+    return _words(rows, np.concatenate([b[:, 108:110], unused, _q3_k_scales(b[:, 96:108]).view(np.uint8), words,
+                                        bits.astype("<u4").view(np.uint8)], axis=1))
+
+
 def _pack_q6_k(b, rows):
     ql, qh = b[:, :128].reshape(-1, 2, 2, 32), b[:, 128:192].reshape(-1, 2, 1, 32)
     low = np.concatenate([ql & 15, ql >> 4], axis=2)                                  # [n][i][l]: 128 n + 32 i + l
@@ -626,7 +733,9 @@ def _pack_q6_k(b, rows):
 
 REPACK = {"Q8_0": ("R8", _pack_q8_0), "Q4_0": ("R4", _pack_q4_0), "Q4_1": ("R4", _pack_q4_1),
           "Q5_0": ("R5", _pack_q5_0), "Q5_1": ("R5", _pack_q5_1),
-          "Q4_K": ("R4K", _pack_q4_k), "Q5_K": ("R5K", _pack_q5_k), "Q6_K": ("R6", _pack_q6_k)}
+          "Q2_K": ("R2K", _pack_q2_k), "Q3_K": ("R3K", _pack_q3_k), "Q4_K": ("R4K", _pack_q4_k),
+          "Q5_K": ("R5K", _pack_q5_k),
+          "Q6_K": ("R6", _pack_q6_k)}
 
 
 def packed_format(fmt: Format, rows: int) -> Format:

@@ -183,7 +183,7 @@ def test_cpu_prefill_matmul_tiles_every_step_length(cpu, tile):
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["interleaved", "file"])
-@pytest.mark.parametrize("name", ["F16", "Q8_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["F16", "Q8_0", "Q4_1", "Q5_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_cpu_prefill_matmul_matches_gguf(cpu, name, packed):
     """The prefill matmul (blocks of columns dequantized into scratch, multiplied by every token) against gguf's
     dequantized weights times the input in numpy: each layout a CPU holds, three slices of rows (a tile of 64
