@@ -171,7 +171,8 @@ class ModelFile(_Tensors):
         self.config = Config(
             n_layer=p("block_count", int), dim=dim, n_head=n_head, n_kv=p("attention.head_count_kv", int, n_head),
             head_dim=p("rope.dimension_count", int, dim // n_head if n_head > 0 else 0),
-            ffn=p("feed_forward_length", int), vocab=int(emb.shape[0]), eps=p("attention.layer_norm_rms_epsilon", float),
+            ffn=p("feed_forward_length", int), vocab=int(emb.shape[0]),
+            eps=p("attention.layer_norm_rms_epsilon", float),
             rope_base=p("rope.freq_base", float, 10000.0), context=p("context_length", int), bias=arch == "qwen2",
             rope_scaling=_rope_scaling(self.path, f"{arch}.rope.scaling", self._gguf_rope_scaling(arch)))
         self.config.check(self.path, dict(

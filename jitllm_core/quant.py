@@ -8,17 +8,18 @@ on every backend. Dot products (`row_dot`) and dequantization (`dequant_kernel`)
 `terms`, so a new format added here works everywhere, with no plugin change.
 
 At load, the ggml formats are repacked (`repack`) into *row-interleaved* layouts of the same values
-(`Interleaved`: R8, R4, R5, R2K, R3K, R4K, R5K, R6): ROWS rows stored together, each field of a block holding the rows'
-bytes side by side, so that a vector whose lanes are rows reads every field -- scales as well as quants -- with one
-contiguous load and a dot product keeps each row's sum in its own lane (no horizontal sum per block, no scale
-broadcast). All but R8 are *dot4 layouts*: their fields are words (4 weights to a word: 4-bit ones in the file's
-nibble order, 2-bit ones a shift apart, the top bits of 5- and 3-bit ones in words of their own, Q6_K's q whole), and their dots multiply the weights' integers by the input's
-(`ops.quantize_input`: 3 signed base-256 digits per element, each within 2^-24 of its span's largest) with
-`ir.dot4`, 4 byte products to a lane per instruction where the CPU has VNNI, then apply the scales in f32
-(d * scale * sum q x + offset * sum x, the input's sums read for the offsets). Sizes are the file's (Q4_K's
-packed 6-bit scales stay packed, unpacked a word at a time in the dot), but Q6_K's 212 bytes a block instead of
-210, to keep words whole, Q3_K's 116 instead of 110 (its scales unpacked), and Q4_0's and Q5_0's 20 and 24
-instead of 18 and 22: their offsets (-8 d, -16 d) stored as Q4_1's and Q5_1's are.
+(`Interleaved`: R8, R4, R5, R2K, R3K, R4K, R5K, R6): ROWS rows stored together, each field of a block holding the
+rows' bytes side by side, so that a vector whose lanes are rows reads every field -- scales as well as quants --
+with one contiguous load and a dot product keeps each row's sum in its own lane (no horizontal sum per block, no
+scale broadcast). All but R8 are *dot4 layouts*: their fields are words (4 weights to a word: 4-bit ones in the
+file's nibble order, 2-bit ones a shift apart, the top bits of 5- and 3-bit ones in words of their own, Q6_K's q
+whole), and their dots multiply the weights' integers by the input's (`ops.quantize_input`: 3 signed base-256
+digits per element, each within 2^-24 of its span's largest) with `ir.dot4`, 4 byte products to a lane per
+instruction where the CPU has VNNI, then apply the scales in f32 (d * scale * sum q x + offset * sum x, the
+input's sums read for the offsets). Sizes are the file's (Q4_K's packed 6-bit scales stay packed, unpacked a word
+at a time in the dot), but Q6_K's 212 bytes a block instead of 210, to keep words whole, Q3_K's 116 instead of 110
+(its scales unpacked), and Q4_0's and Q5_0's 20 and 24 instead of 18 and 22: their offsets (-8 d, -16 d) stored as
+Q4_1's and Q5_1's are.
 """
 from __future__ import annotations
 
@@ -686,8 +687,8 @@ def _pack_q5_k(b, rows):
     h = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
     qs = b[:, 48:176].reshape(-1, 4, 1, 32)
     q = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(-1, 8, 32)      # sub-block 2p, then 2p + 1
-    return _words(rows, np.concatenate([b[:, 0:16], _fifth_words(h), (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(-1, 128)],
-                                       axis=1))
+    nibbles = (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(-1, 128)
+    return _words(rows, np.concatenate([b[:, 0:16], _fifth_words(h), nibbles], axis=1))
 
 
 def _pack_q2_k(b, rows):

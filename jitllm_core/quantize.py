@@ -2,8 +2,8 @@
 Q6_K).
 
 They follow llama.cpp's reference quantizers (`quantize_row_*_ref` in ggml-quants.c; Q2_K and Q3_K a plainer
-fit of the same layouts), vectorized over blocks, so files written with them load in llama.cpp and the gguf package. Each block quantizer comes in
-two steps: `_parts_<type>` computes scales and integer quants in natural element order, `_quant_<type>` packs
+fit of the same layouts), vectorized over blocks, so files written with them load in llama.cpp and the gguf
+package. Each block quantizer comes in two steps: `_parts_<type>` computes scales and integer quants in natural element order, `_quant_<type>` packs
 them into ggml's bytes; tests rebuild the values from the parts and compare them with gguf's dequantizers.
 """
 

@@ -424,5 +424,6 @@ def test_sliding_window_attention_caps_the_context(tmp_path):
     where = tmp_path / "config.json"
     assert _sliding_window(where, {"model_type": "mistral", "sliding_window": 4096}) == 4096
     assert _sliding_window(where, {"model_type": "mistral", "sliding_window": None}) > 10 ** 9
-    assert _sliding_window(where, {"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False}) > 10 ** 9
+    off = {"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False}
+    assert _sliding_window(where, off) > 10 ** 9
     assert _sliding_window(where, {"model_type": "qwen2", "sliding_window": 512, "use_sliding_window": True}) == 512

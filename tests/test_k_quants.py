@@ -1,6 +1,6 @@
-"""A model with k-quant matrices (Q4_K and Q6_K, the 1B benchmark model's formats, Q5_K, Q3_K, Q2_K) and 5-bit ones (Q5_0,
-Q5_1: what llama.cpp's Q4_K_M falls back to for rows that are not whole 256-blocks) through the engine against HF
-transformers on the same file (the layouts' kernels alone: test_quant_formats, and as a VNNI machine runs them:
+"""A model with k-quant matrices (Q4_K and Q6_K, the 1B benchmark model's formats, Q5_K, Q3_K, Q2_K) and 5-bit
+ones (Q5_0, Q5_1: what llama.cpp's Q4_K_M falls back to for rows that are not whole 256-blocks) through the engine
+against HF transformers on the same file (the layouts' kernels alone: test_quant_formats, and as a VNNI machine runs them:
 test_other_cpus)."""
 import pytest
 
@@ -61,7 +61,7 @@ def test_model_has_the_formats_meant(k_quant_model):
 
 
 def test_k_quants_match_transformers(engine, k_quant_model):
-    """Token by token (decode steps: the dot4 matvecs of every packed layout, R4K, R5K, R5 and R6 among them) and a whole
+    """Token by token (decode steps: the dot4 matvecs of every packed layout, R2K to R6 among them) and a whole
     prompt at once (the prefill gemms), within the f32 reference's bound."""
     steps, prompt = step_and_prompt_errors(engine, k_quant_model, (engine.tokenizer.encode(PROMPTS[0]) * 3)[:40])
     assert steps <= 1e-3
