@@ -345,8 +345,7 @@ class Engine:
     def free_sequence(self, seq):
         with self._lock:
             for u, pages in seq.pages.items():
-                if u in self.units:  # else the engine is closed: its pools went whole
-                    self.units[u].pool.free(pages)
+                self.units[u].pool.free(pages)
             seq.pages.clear()
             self.sequences.pop(seq.id, None)
 
@@ -550,7 +549,9 @@ class Engine:
                     self._free_kv(st.device, st.kv)
             for ds in self.dev_state.values():
                 ds.release()
-            self.units, self.dev_state, self.segments = {}, {}, []
+            for seq in self.sequences.values():  # their pages went with the pools: a stream still open frees none
+                seq.pages.clear()
+            self.units, self.dev_state, self.segments, self.sequences = {}, {}, [], {}
 
 
 class Session:
