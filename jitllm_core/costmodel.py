@@ -9,7 +9,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from .errors import JitllmError
+from .errors import JitllmError, is_whole
 
 try:
     import tomllib
@@ -370,7 +370,7 @@ class _File:
             self.fail("model", "layer_gb", "give exactly one of layer_gb and layers_gb")
         if "layers" in t:
             n = t["layers"]
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            if not is_whole(n) or n < 1:
                 self.fail("model", "layers", f"expected a positive whole number, got {n!r}")
         elif "layers_gb" in t and isinstance(t["layers_gb"], list):
             n = len(t["layers_gb"])

@@ -6,7 +6,6 @@ boundary.
 """
 from __future__ import annotations
 
-import numbers
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import faults, ir, ops, quant, registry, tuning
-from .errors import ContextLimitError, JitllmError, check_whole
+from .errors import ContextLimitError, JitllmError, check_whole, is_whole
 from .kvcache import PagePool, Sequence
 from .llama import Llama, interleaves, rope_table
 from .memory import Arena
@@ -445,7 +444,7 @@ class Engine:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         ids = list(prompt) if isinstance(prompt, (list, tuple, np.ndarray)) else None
-        if ids is None or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids):
+        if ids is None or not all(map(is_whole, ids)):
             raise JitllmError(f"a prompt is a string or a list of token ids (whole numbers), not {_brief(prompt)}")
         return [int(i) for i in ids]
 

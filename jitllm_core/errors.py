@@ -22,7 +22,12 @@ class ContextLimitError(JitllmError):
     """The sequence reached the model's (or engine's) context length."""
 
 
+def is_whole(value) -> bool:
+    """An integer of Python's or NumPy's, not a bool (which Python counts as one)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_whole(name, value, least):
     """Refuse a parameter that is not a whole number >= least (a bool, a float, a string), naming it."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+    if not is_whole(value) or value < least:
         raise JitllmError(f"{name} must be a whole number >= {least}, not {value!r}")

@@ -5,14 +5,13 @@ byte-level BPE (`gpt2`) with the pre-tokenizer named by `tokenizer.ggml.pre`, an
 (`llama`) where merges follow the token scores and a space is prefixed to every run of text.
 """
 
-import numbers
 import os
 import warnings
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
-from .errors import JitllmError, ModelFileError
+from .errors import JitllmError, ModelFileError, is_whole
 from .safetensors import read_json
 
 # llama.cpp token types
@@ -71,7 +70,7 @@ class Tokenizer:
     def decode(self, ids, skip_special=False):
         """Text of token ids; an id past the tokenizer's end (a model's padded vocabulary) has none."""
         ids = list(ids)
-        bad = next((i for i in ids if isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0), None)
+        bad = next((i for i in ids if not is_whole(i) or i < 0), None)
         if bad is not None:  # the backend would overflow or raise a TypeError of its own
             raise JitllmError(f"decode: {bad!r} is not a token id (a whole number >= 0)")
         return self._tk.decode([int(i) for i in ids], skip_special_tokens=skip_special)
