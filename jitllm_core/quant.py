@@ -518,8 +518,8 @@ class R3K(Interleaved):
     @staticmethod
     def quads(k, buf, at, off, hoff, shift):
         """the 4 words of u of a sub-block, byte j of word i: element 4 i + j"""
-        w, h = _word(k, buf, at(off, 4)), _word(k, buf, at(hoff, 4)) >> shift
-        return [((w >> 2 * i) & 0x03030303) | _spread4((h >> 4 * i) & 15, 2) for i in range(4)]
+        h = _word(k, buf, at(hoff, 4)) >> shift
+        return [q | _spread4((h >> 4 * i) & 15, 2) for i, q in enumerate(R2K.crumbs(k, buf, at, off))]
 
     def block_dot(self, k, buf, at, inp, piece):
         parts = []
@@ -640,11 +640,33 @@ def _words(rows, b):
     return np.ascontiguousarray(b.reshape(rows // ROWS, ROWS, nb, -1, 4).transpose(0, 2, 3, 1, 4)).reshape(-1)
 
 
-def _pack_q4_0(b, rows):
-    m = _f16_at(b, 0) * np.float32(-8)
+def _offset_field(b, zero, name):
+    """The f16 offset -zero * d of blocks whose values are d * (q - zero) (Q4_0, Q5_0), stored as Q4_1's m is."""
+    m = _f16_at(b, 0) * np.float32(-zero)
     if not np.isfinite(m.astype(np.float16)).all():
-        raise ModelFileError("model", "a Q4_0 block scale beyond 8191 has no R4 form")
-    return _words(rows, np.concatenate([b[:, 0:2], _f16_field(m), b[:, 2:18]], axis=1))
+        raise ModelFileError("model", f"a {name} block scale beyond {65504 // zero} has no interleaved form")
+    return _f16_field(m)
+
+
+def _k_nibbles(qs):
+    """A k-quant's 128 bytes of nibbles (each 32 bytes: sub-block 2p in the low nibbles, 2p + 1 in the high) -> a
+    sub-block's 16 bytes each, element j low and j + 16 high, as `_nibble_dot` reads them."""
+    qs = qs.reshape(-1, 4, 1, 32)
+    q = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(-1, 8, 32)      # sub-block 2p, then 2p + 1
+    return (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(-1, 128)
+
+
+def _crumb_words(qs):
+    """Q2_K's and Q3_K's 64 bytes of 2-bit q (bits 2j of byte 32 n + 16 h + l: element l of sub-block 8n + 2j + h)
+    -> a word per sub-block, bits 2i of byte j for its element 4i + j (`R2K.crumbs`)."""
+    shifts = 2 * np.arange(4, dtype=np.uint8)
+    q = (qs.reshape(-1, 2, 1, 2, 16) >> shifts[None, None, :, None, None]) & 3  # [n][j][h][l]
+    q = q.reshape(-1, 16, 4, 4)                                                # [s][i][j]: element 4i + j
+    return (q << shifts[None, None, :, None]).sum(axis=2, dtype=np.uint8).reshape(-1, 64)
+
+
+def _pack_q4_0(b, rows):
+    return _words(rows, np.concatenate([b[:, 0:2], _offset_field(b, 8, "Q4_0"), b[:, 2:18]], axis=1))
 
 
 def _pack_q4_1(b, rows):
@@ -652,9 +674,7 @@ def _pack_q4_1(b, rows):
 
 
 def _pack_q4_k(b, rows):
-    qs = b[:, 16:144].reshape(-1, 4, 1, 32)
-    q = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(-1, 8, 32)      # sub-block 2p, then 2p + 1
-    return _words(rows, np.concatenate([b[:, 0:16], (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(-1, 128)], axis=1))
+    return _words(rows, np.concatenate([b[:, 0:16], _k_nibbles(b[:, 16:144])], axis=1))
 
 
 def _fifth_words(h):
@@ -671,11 +691,8 @@ def _file_fifth_bits(qh):
 
 
 def _pack_q5_0(b, rows):
-    m = _f16_at(b, 0) * np.float32(-16)
-    if not np.isfinite(m.astype(np.float16)).all():
-        raise ModelFileError("model", "a Q5_0 block scale beyond 4095 has no R5 form")
-    return _words(rows, np.concatenate([b[:, 0:2], _f16_field(m), _fifth_words(_file_fifth_bits(b[:, 2:6])),
-                                        b[:, 6:22]], axis=1))
+    return _words(rows, np.concatenate([b[:, 0:2], _offset_field(b, 16, "Q5_0"),
+                                        _fifth_words(_file_fifth_bits(b[:, 2:6])), b[:, 6:22]], axis=1))
 
 
 def _pack_q5_1(b, rows):
@@ -685,18 +702,11 @@ def _pack_q5_1(b, rows):
 def _pack_q5_k(b, rows):
     qh = b[:, 16:48]  # bit s of byte j: element j of sub-block s
     h = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
-    qs = b[:, 48:176].reshape(-1, 4, 1, 32)
-    q = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(-1, 8, 32)      # sub-block 2p, then 2p + 1
-    nibbles = (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(-1, 128)
-    return _words(rows, np.concatenate([b[:, 0:16], _fifth_words(h), nibbles], axis=1))
+    return _words(rows, np.concatenate([b[:, 0:16], _fifth_words(h), _k_nibbles(b[:, 48:176])], axis=1))
 
 
 def _pack_q2_k(b, rows):
-    qs = b[:, 16:80].reshape(-1, 2, 1, 2, 16)                                 # [n][.][h][l]
-    q = (qs >> (2 * np.arange(4, dtype=np.uint8))[None, None, :, None, None]) & 3  # [n][j][h][l]: sub-block 8n+2j+h
-    q = q.reshape(-1, 16, 4, 4)                                                # [s][i][j]: element 4i + j
-    words = (q << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]).sum(axis=2, dtype=np.uint8)
-    return _words(rows, np.concatenate([b[:, 80:84], b[:, 0:16], words.reshape(-1, 64)], axis=1))
+    return _words(rows, np.concatenate([b[:, 80:84], b[:, 0:16], _crumb_words(b[:, 16:80])], axis=1))
 
 
 def _q3_k_scales(sc):
@@ -709,18 +719,14 @@ def _q3_k_scales(sc):
 
 
 def _pack_q3_k(b, rows):
-    shifts = np.arange(4, dtype=np.uint8)
-    qs = b[:, 32:96].reshape(-1, 2, 1, 2, 16)                                 # [n][.][h][l]
-    low = (qs >> (2 * shifts)[None, None, :, None, None]) & 3                 # [n][j][h][l]: sub-block 8n+2j+h
-    hm = b[:, 0:32].reshape(-1, 1, 1, 2, 16)
-    high = (hm >> (4 * np.arange(2, dtype=np.uint8)[:, None] + shifts)[None, :, :, None, None]) & 1
-    low = low.reshape(-1, 16, 4, 4)                                            # [s][i][j]: element 4i + j
-    words = (low << (2 * shifts)[None, None, :, None]).sum(axis=2, dtype=np.uint8).reshape(-1, 64)
+    hm = b[:, 0:32].reshape(-1, 1, 1, 2, 16)  # bit 4n + j of byte 16 h + l: element l of sub-block 8n + 2j + h
+    shifts = 4 * np.arange(2, dtype=np.uint8)[:, None] + np.arange(4, dtype=np.uint8)
+    high = (hm >> shifts[None, :, :, None, None]) & 1                         # [n][j][h][l]
     bits = (high.reshape(-1, 8, 2, 16).astype(np.uint32) << np.arange(32, dtype=np.uint32).reshape(2, 16)).sum(
         axis=(2, 3), dtype=np.uint32)                                          # word t: sub-blocks 2t, 2t + 1
     unused = np.zeros((len(b), 2), np.uint8)
-    return _words(rows, np.concatenate([b[:, 108:110], unused, _q3_k_scales(b[:, 96:108]).view(np.uint8), words,
-                                        bits.astype("<u4").view(np.uint8)], axis=1))
+    return _words(rows, np.concatenate([b[:, 108:110], unused, _q3_k_scales(b[:, 96:108]).view(np.uint8),
+                                        _crumb_words(b[:, 32:96]), bits.astype("<u4").view(np.uint8)], axis=1))
 
 
 def _pack_q6_k(b, rows):
