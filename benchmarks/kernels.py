@@ -28,15 +28,13 @@ FILE = [("Q4_1", 1536, 576), ("Q8_0", 4096, 576), ("Q5_0", 4096, 576), ("Q5_1", 
         ("Q3_K", 2048, 2048), ("Q4_K", 2048, 2048), ("Q5_K", 2048, 2048), ("Q6_K", 2048, 2048)]
 PREFILL = [("Q4_K", 8192, 2048), ("Q4_K", 2048, 2048), ("Q6_K", 2048, 8192), ("Q4_K", 2048, 8192), ("Q5_K", 2048, 8192)]
 CACHED_BYTES = 384 << 10  # a matrix this size stays in a core's L2
-HALVES = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q2_K": [80, 82], "Q3_K": [108],
-          "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}  # f16 fields of a block
 
 
 def file_tensor(name, rows, cols, rng):
     """Random blocks of a GGUF format (finite f16 scales): (format, bytes)."""
     fmt = quant.get_format(name, cols)
     raw = rng.integers(0, 256, (rows * cols // fmt.block, fmt.unit)).astype(np.uint8)
-    for o in HALVES[name]:
+    for o in fmt.halves:
         raw[:, o:o + 2] = (rng.standard_normal(len(raw)) * 0.01).astype(np.float16).view(np.uint8).reshape(-1, 2)
     return fmt, raw.reshape(-1)
 

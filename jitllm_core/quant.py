@@ -57,6 +57,7 @@ class Format:
     groups: int       # vector groups per block
     lanes: int        # lanes per group
     digits = False    # dots read the input as integer digits (Input.word), scales and sums (ops.quantize_input)
+    halves = ()       # byte offsets of a file block's f16 fields (its scales): where random test blocks need finite ones
     interleave = 1    # rows stored together (Interleaved: ROWS)
 
     def row_units(self, cols):
@@ -106,17 +107,20 @@ class Plain(Format):
 
 
 class Q8_0(Format):
+    halves = (0,)
     def terms(self, k, buf, base, g, l):
         return [(l, _half(k, buf, base) * F(_i8(k.load(buf, base + 2 + l))))]
 
 
 class Q4_0(Format):
+    halves = (0,)
     def terms(self, k, buf, base, g, l):
         d, q = _half(k, buf, base), k.load(buf, base + 2 + l)
         return [(l, d * F((q & 15) - 8)), (l + 16, d * F((q >> 4) - 8))]
 
 
 class Q4_1(Format):
+    halves = (0, 2)
     def terms(self, k, buf, base, g, l):
         d, m = _half(k, buf, base), _half(k, buf, base + 2)
         q = k.load(buf, base + 4 + l)
@@ -129,6 +133,7 @@ def _bit5(qh, bit):
 
 
 class Q5_0(Format):
+    halves = (0,)
     # d (f16), qh: the 32 fifth bits (a little-endian u32, bit j for element j), 16 bytes of low nibbles
     def terms(self, k, buf, base, g, l):
         d, qh, q = _half(k, buf, base), _word(k, buf, base + 2), k.load(buf, base + 6 + l)
@@ -136,6 +141,7 @@ class Q5_0(Format):
 
 
 class Q5_1(Format):
+    halves = (0, 2)
     # d, m (f16), qh (u32), 16 bytes of low nibbles: d * q + m with q unsigned
     def terms(self, k, buf, base, g, l):
         d, m, qh, q = _half(k, buf, base), _half(k, buf, base + 2), _word(k, buf, base + 4), k.load(buf, base + 8 + l)
@@ -160,6 +166,7 @@ def _k4_scale_min(k, buf, base, s):
 
 
 class Q4_K(Format):
+    halves = (0, 2)
     # d, dmin (f16), 12 bytes of packed 6-bit scales/mins, 128 bytes of nibbles; group p covers sub-blocks 2p, 2p+1
     def terms(self, k, buf, base, p, l):
         d, dmin = _half(k, buf, base), _half(k, buf, base + 2)
@@ -186,6 +193,7 @@ class Q4_K(Format):
 
 
 class Q5_K(Format):
+    halves = (0, 2)
     # Q4_K's d, dmin and packed scales, then qh (32 bytes: bit 2p of byte l is the fifth bit of element l of
     # sub-block 2p, bit 2p + 1 of sub-block 2p + 1's) and the 128 bytes of low nibbles; group p: sub-blocks 2p, 2p+1
     def terms(self, k, buf, base, p, l):
@@ -198,6 +206,7 @@ class Q5_K(Format):
 
 
 class Q2_K(Format):
+    halves = (80, 82)
     # 16 bytes of scales (sub-block s of 16: scale in the low nibble, min in the high), 64 bytes of 2-bit quants,
     # d, dmin (f16); group g = 4 n + j: sub-blocks 8 n + 2 j and 8 n + 2 j + 1, their quants bits 2j of bytes
     # 32 n + l and 32 n + 16 + l
@@ -213,6 +222,7 @@ class Q2_K(Format):
 
 
 class Q3_K(Format):
+    halves = (108,)
     # hmask (32 bytes: bit 4 n + j of byte l set = no -4 for quant l (+16) of group (n, j)), 64 bytes of 2-bit
     # quants as Q2_K's, 12 bytes of 6-bit scales (low nibbles in bytes 0-7, top 2 bits in 8-11), d (f16);
     # value = d * (scale - 32) * (q - 4 * (hmask bit clear))
@@ -234,6 +244,7 @@ class Q3_K(Format):
 
 
 class Q6_K(Format):
+    halves = (208,)
     # ql[128] low nibbles, qh[64] high 2-bit pairs, 16 int8 scales, d (f16); group g = (half n, 16-lane part h)
     def scale(self, k, buf, base, i):
         """d * scale i of the block (the 16 sub-blocks' scales)."""

@@ -7,8 +7,6 @@ from backend_check import run_on_device
 from jitllm_core import interp, ir, ops, quant
 
 gguf = pytest.importorskip("gguf")
-HALF_OFFSETS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q2_K": [80, 82], "Q3_K": [108],
-                "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 
 
 def random_tensor(name, rows, cols, rng):
@@ -17,7 +15,7 @@ def random_tensor(name, rows, cols, rng):
     if fmt.storage == "u8":
         nb = rows * cols // fmt.block
         raw = rng.integers(0, 256, (nb, fmt.unit)).astype(np.uint8)
-        for o in HALF_OFFSETS[name]:
+        for o in fmt.halves:
             raw[:, o:o + 2] = (rng.standard_normal(nb) * 0.01).astype(np.float16).view(np.uint8).reshape(-1, 2)
         raw = raw.reshape(rows, -1)
         ref = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, name)).reshape(rows, cols)
