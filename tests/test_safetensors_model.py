@@ -37,6 +37,7 @@ VARIANTS = {  # name -> (config class name, dtype saved, rope parameters)
     "llama-bf16": ("LlamaConfig", "bfloat16", ROPE),
     "llama-f16": ("LlamaConfig", "float16", ROPE),
     "qwen2-f32": ("Qwen2Config", "float32", ROPE),  # attention biases on q, k, v
+    "mistral-f32": ("MistralConfig", "float32", ROPE),  # a sliding window (4096) past these prompts
     # scaled rope: an original context of 64 positions scales most of the frequencies these prompts turn through
     "llama-rope-linear": ("LlamaConfig", "float32", {**ROPE, "rope_type": "linear", "factor": 4.0}),
     "llama-rope-llama3": ("LlamaConfig", "float32", {**ROPE, "rope_type": "llama3", "factor": 4.0,
