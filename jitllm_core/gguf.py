@@ -35,7 +35,6 @@ GGML_TYPES = {
     35: GGMLType("TQ2_0", 256, 66), 39: GGMLType("MXFP4", 32, 17),
 }
 GGML_TYPE_IDS = {t.name: i for i, t in GGML_TYPES.items()}
-SUPPORTED_TYPES = frozenset({"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"})
 
 MAX_DIMS = 4  # GGML_MAX_DIMS
 DEFAULT_ALIGNMENT = 32
@@ -50,10 +49,6 @@ class TensorInfo:
     type_name: str
     offset: int  # absolute byte offset in the file
     nbytes: int
-
-    @property
-    def supported(self):
-        return self.type_name in SUPPORTED_TYPES
 
 
 # Metadata value types: fixed-size scalars by struct format; 8 = string, 9 = array.

@@ -1,4 +1,4 @@
-"""Llama-family models (Llama 2/3, SmolLM2, Qwen2-style) as kernels: a model file's config and weights
+"""Llama-family models (Llama 2/3, SmolLM2, Mistral, Qwen2 and Qwen3) as kernels: a model file's config and weights
 (`modelfile.ModelFile`) -> the launches of each unit.
 
 Units: "embed", layers 0..n-1, "head" (final norm + LM head). A unit is a list of Launch templates: a kernel
@@ -15,13 +15,14 @@ from pathlib import Path
 
 import numpy as np
 
-from . import ir, ops, quant
+from . import ir, modelfile, ops, quant
 from .cache import cache_dir, digest, write_atomic
 from .errors import ModelFileError
 from .modelfile import ModelFile, SpecFile
 from .quant import ROWS, get_format, packed_format, repack
 
-LAYOUTS = digest(Path(quant.__file__).read_bytes())  # a packed file is as new as the code that wrote its layout
+# a packed file is as new as the code that wrote it: its layout's, and the loader's (which reorders some rows)
+LAYOUTS = digest(*(Path(m.__file__).read_bytes() for m in (quant, modelfile)))
 
 
 def rope_table(freqs: np.ndarray, positions: int) -> np.ndarray:
@@ -135,6 +136,8 @@ class Llama:
         if c.bias:
             w.update({p + "attn_q.bias": ((q,), True), p + "attn_k.bias": ((kv,), True),
                       p + "attn_v.bias": ((kv,), True)})
+        if c.qk_norm:
+            w.update({p + n: ((c.head_dim,), True) for n in ("attn_q_norm.weight", "attn_k_norm.weight")})
         return w
 
     def host_data(self, name, unit, keep=False, interleave=True):
@@ -247,12 +250,17 @@ class Llama:
         # values, every token's, go to the cache), as llama.cpp's graph keeps only the output rows there
         only_wanted = {} if unit == c.n_layer - 1 else EVERY_TOKEN
         mm_wanted = functools.partial(mm, scalars=only_wanted)
+        norm_heads = lambda x, heads, w, scalars: LaunchTemplate(
+            ops.head_rmsnorm(heads, c.head_dim, T, c.eps), {"q": f"a:{x}", "w": f"w:{p}{w}.weight"}, scalars)
+        qk_norms = [norm_heads("q", c.n_head, "attn_q_norm", only_wanted),
+                    norm_heads("k", c.n_kv, "attn_k_norm", EVERY_TOKEN)] if c.qk_norm else []
         return [
             LaunchTemplate(norm, {"x": "a:x", "w": f"w:{p}attn_norm.weight", "out": "a:xn"}, EVERY_TOKEN),
             *inputs("xn", c.dim, "attn_q", "attn_k", "attn_v"),
             *mm_wanted(p + "attn_q.weight", "xn", "q", q, c.dim, bias=b("attn_q")),
             *mm(p + "attn_k.weight", "xn", "k", kv, c.dim, bias=b("attn_k")),
             *mm(p + "attn_v.weight", "xn", "v", kv, c.dim, bias=b("attn_v")),
+            *qk_norms,
             LaunchTemplate(ops.rope(c.n_head, c.head_dim, T, self.positions), {"q": "a:q", "rot": "c:rope"},
                            only_wanted),
             LaunchTemplate(ops.rope(c.n_kv, c.head_dim, T, self.positions), {"q": "a:k", "rot": "c:rope"},

@@ -25,7 +25,8 @@ class Config:
     eps: float
     rope_base: float
     context: int
-    bias: bool = False
+    bias: bool = False     # q, k, v biases (Qwen2)
+    qk_norm: bool = False  # each head's query and key RMS-normed before the rope (Qwen3)
     rope_scaling: dict = field(default_factory=dict)
 
     def check(self, where, keys):
@@ -114,6 +115,11 @@ def _refuse_unused(where, names):
                                     "so this model is not supported")
 
 
+GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+HALVES_ARCHS = ("qwen2", "qwen3")  # GGUF architectures whose query and key rows rotate halves (`_rope_pairs`)
+HF_TYPES = ("llama", "qwen2", "qwen3", "mistral")  # config.json model_type
+
+
 @dataclass
 class Tensor:
     name: str
@@ -160,33 +166,51 @@ class ModelFile(_Tensors):
         from .tokenizer import Tokenizer
         g = self.gguf = GGUFFile(self.path)
         arch = g.get("general.architecture")
-        if arch not in ("llama", "qwen2"):
-            raise ModelFileError(self.path, f"architecture {arch!r} is not supported (llama, qwen2)")
+        if arch not in GGUF_ARCHS:
+            raise ModelFileError(self.path, f"architecture {arch!r} is not supported ({', '.join(GGUF_ARCHS)})")
         p = lambda key, kind, *d: _number(self.path, f"{arch}.{key}", g.get(f"{arch}.{key}", *d), kind)
         n_head = p("attention.head_count", int)
         dim = p("embedding_length", int)
         emb = g.tensors.get("token_embd.weight")
         if emb is None:
             raise ModelFileError(self.path, "missing tensor 'token_embd.weight'")
+        head_key, head_dim = self._gguf_head_dim(arch, p, dim // n_head if n_head > 0 else 0)
         self.config = Config(
             n_layer=p("block_count", int), dim=dim, n_head=n_head, n_kv=p("attention.head_count_kv", int, n_head),
-            head_dim=p("rope.dimension_count", int, dim // n_head if n_head > 0 else 0),
-            ffn=p("feed_forward_length", int), vocab=int(emb.shape[0]),
+            head_dim=head_dim, ffn=p("feed_forward_length", int), vocab=int(emb.shape[0]),
             eps=p("attention.layer_norm_rms_epsilon", float),
             rope_base=p("rope.freq_base", float, 10000.0), context=p("context_length", int), bias=arch == "qwen2",
+            qk_norm=arch == "qwen3",
             rope_scaling=_rope_scaling(self.path, f"{arch}.rope.scaling", self._gguf_rope_scaling(arch)))
         self.config.check(self.path, dict(
             n_layer=f"{arch}.block_count", dim=f"{arch}.embedding_length", n_head=f"{arch}.attention.head_count",
-            n_kv=f"{arch}.attention.head_count_kv", head_dim=f"{arch}.rope.dimension_count",
+            n_kv=f"{arch}.attention.head_count_kv", head_dim=head_key,
             ffn=f"{arch}.feed_forward_length", vocab="the rows of token_embd.weight",
             eps=f"{arch}.attention.layer_norm_rms_epsilon", rope_base=f"{arch}.rope.freq_base",
             context=f"{arch}.context_length"))
         self.tensors = {n: Tensor(n, t.shape, t.type_name, (lambda n=n: g.raw(n))) for n, t in g.tensors.items()}
         _refuse_unused(self.path, set(g.tensors) - self.tensor_names())
+        if arch in HALVES_ARCHS:
+            self._rope_pairs()
         self.tokenizer = Tokenizer.from_gguf(g)
         if self.tokenizer.vocab_size > self.config.vocab:  # the embedding would be read past its last row
             raise ModelFileError(self.path, f"the tokenizer has {self.tokenizer.vocab_size} tokens but "
                                             f"token_embd.weight only {self.config.vocab} rows")
+
+    def _gguf_head_dim(self, arch, p, default):
+        """(the key it came from, the head size): attention.key_length where the converter wrote it (Qwen3's heads
+        are wider than embedding_length / head_count), else rope.dimension_count. A rope over part of the head, or
+        values of another size than the keys, is refused: computed as whole heads, it would be wrong."""
+        g, keys = self.gguf, [f"{arch}.attention.key_length", f"{arch}.rope.dimension_count"]
+        given = {k: p(k.split(".", 1)[1], int) for k in keys + [f"{arch}.attention.value_length"]
+                 if g.get(k, None) is not None}
+        key = next((k for k in keys if k in given), keys[1])
+        head_dim = given.get(key, default)
+        for k, v in given.items():
+            if v != head_dim:
+                raise ModelFileError(self.path, f"{k} is {v} but the head size is {head_dim} ({key}); "
+                                                "heads of mixed sizes are not supported")
+        return key, head_dim
 
     def _gguf_rope_scaling(self, arch):
         """rope.scaling.type and .factor (or the older rope.scale_linear); Llama 3's scaling is instead baked
@@ -203,13 +227,30 @@ class ModelFile(_Tensors):
             names.update(f"blk.{i}.{g}.weight" for g in self.HF_NAMES)
             if cfg.bias:
                 names.update(f"blk.{i}.{g}.bias" for g in ("attn_q", "attn_k", "attn_v"))
+            if cfg.qk_norm:
+                names.update(f"blk.{i}.{g}.weight" for g in self.HF_QK_NORMS)
         return names
+
+    def _rope_pairs(self):
+        """The rope kernel rotates each head's adjacent pairs, as llama GGUF files store the query and key rows; HF
+        models rotate the two halves of a head, and llama.cpp's converter keeps that order for Qwen files (its rope
+        there is "neox"). Such rows -- with their biases and per-head norms -- are reordered to pairs as they load."""
+        cfg = self.config
+        for i in range(cfg.n_layer):
+            for g, heads in (("attn_q", cfg.n_head), ("attn_k", cfg.n_kv)):
+                for name, h in ((f"blk.{i}.{g}.weight", heads), (f"blk.{i}.{g}.bias", heads),
+                                (f"blk.{i}.{g}_norm.weight", 1)):
+                    t = self.tensors.get(name)
+                    if t is not None:
+                        self.tensors[name] = Tensor(name, t.shape, t.type_name,
+                                                    lambda t=t, h=h: _permute_rows(t.raw(), t, h))
 
     # -- HF safetensors folder
     HF_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
                 "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                 "ffn_down": "mlp.down_proj"}
+    HF_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 
     def _open_hf(self):
         from .safetensors import SafetensorsFolder
@@ -226,7 +267,7 @@ class ModelFile(_Tensors):
                     raise ModelFileError(where, f"missing key {key!r}")
                 v = default
             return v if kind is None else _number(where, key, v, kind)
-        if need("model_type") not in ("llama", "qwen2", "mistral"):
+        if need("model_type") not in HF_TYPES:
             raise ModelFileError(where, f"model_type {c['model_type']!r} is not supported")
         if c.get("hidden_act", "silu") not in ("silu", "swish"):
             raise ModelFileError(where, f"hidden_act {c['hidden_act']!r} is not supported (silu)")
@@ -238,7 +279,7 @@ class ModelFile(_Tensors):
             head_dim=need("head_dim", int, dim // n_head if n_head > 0 else 0),
             ffn=need("intermediate_size", int), vocab=need("vocab_size", int), eps=need("rms_norm_eps", float),
             rope_base=theta, context=min(need("max_position_embeddings", int, 4096), _sliding_window(where, c)),
-            bias=c["model_type"] == "qwen2", rope_scaling=scaling)
+            bias=c["model_type"] == "qwen2", qk_norm=c["model_type"] == "qwen3", rope_scaling=scaling)
         cfg = self.config
         cfg.check(where, dict(n_layer="num_hidden_layers", dim="hidden_size", n_head="num_attention_heads",
                               n_kv="num_key_value_heads", head_dim="head_dim", ffn="intermediate_size",
@@ -246,24 +287,20 @@ class ModelFile(_Tensors):
                               context="max_position_embeddings"))
         self.tensors, used = {}, set()
 
-        def add(gguf_name, hf_name, permute_heads=0):
+        def add(gguf_name, hf_name):
             t = st.tensors.get(hf_name)
-            if t is None:
-                return
-            used.add(hf_name)
-            raw = lambda t=t: st.raw(t.name)
-            if permute_heads:  # HF rotates halves; our rope rotates adjacent pairs, as GGUF stores Q and K
-                raw = lambda t=t, h=permute_heads: _permute_rows(st.raw(t.name), t, h)
-            self.tensors[gguf_name] = Tensor(gguf_name, t.shape, t.type_name, raw)
+            if t is not None:
+                used.add(hf_name)
+                self.tensors[gguf_name] = Tensor(gguf_name, t.shape, t.type_name, lambda t=t: st.raw(t.name))
         add("token_embd.weight", "model.embed_tokens.weight")
         add("output_norm.weight", "model.norm.weight")
         add("output.weight", "lm_head.weight")
         for i in range(cfg.n_layer):
-            for g, h in self.HF_NAMES.items():
-                heads = {"attn_q": cfg.n_head, "attn_k": cfg.n_kv}.get(g, 0)
-                add(f"blk.{i}.{g}.weight", f"model.layers.{i}.{h}.weight", heads)
+            for g, h in {**self.HF_NAMES, **(self.HF_QK_NORMS if cfg.qk_norm else {})}.items():
+                add(f"blk.{i}.{g}.weight", f"model.layers.{i}.{h}.weight")
                 if cfg.bias and g in ("attn_q", "attn_k", "attn_v"):
-                    add(f"blk.{i}.{g}.bias", f"model.layers.{i}.{h}.bias", heads)
+                    add(f"blk.{i}.{g}.bias", f"model.layers.{i}.{h}.bias")
+        self._rope_pairs()
         # older checkpoints saved the rotary frequencies, which are computed from the config instead
         _refuse_unused(self.path, {n for n in st.tensors if n not in used and not n.endswith("rotary_emb.inv_freq")})
         if "output.weight" not in self.tensors and c.get("tie_word_embeddings") is False:

@@ -79,6 +79,21 @@ def rmsnorm(dim: int, T: int, eps: float, wide=False) -> ir.Kernel:
     return k.finish()
 
 
+def head_rmsnorm(n_heads: int, head_dim: int, T: int, eps: float) -> ir.Kernel:
+    """Each head of q (T tokens of n_heads heads) / its rms * w, in place, for the tokens from t0: Qwen3's query and
+    key norms, before the rope. A head is small (64-128 values), so a head is an iteration."""
+    k = ir.Kernel(f"head_rmsnorm_{n_heads}x{head_dim}_T{T}_{eps:g}")
+    k.buffer("q", "f32", T * n_heads * head_dim, True), k.buffer("w", "f32", head_dim)
+    n, t0 = k.scalar("n_tokens"), k.scalar("t0")
+    with k.parallel("th", (n - t0) * n_heads) as th:
+        base = k.let("base", (t0 * n_heads + th) * head_dim)
+        ss = ir.reduce("add", "i", head_dim, lambda i: k.load("q", base + i) * k.load("q", base + i), "serial")
+        r = k.let("r", ir.rsqrt(ss / float(head_dim) + eps))
+        with k.loop("i", head_dim, "vector") as i:
+            k.store("q", base + i, k.load("q", base + i) * r * k.load("w", i))
+    return k.finish()
+
+
 # tokens a tile of the int8 mode's prefill matmuls dots at once (`matmul(tokens=...)`): on a Zen 5, engines built
 # each way in one process, alternated, the 1B shape's 256-token prompt ran 149 tok/s token by token, 202 in tiles
 # of 2, 218 of 4, 210 of 8 (docs/benchmarks.md)

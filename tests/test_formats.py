@@ -9,6 +9,7 @@ import struct
 import numpy as np
 import pytest
 
+from jitllm_core import quant
 from jitllm_core.errors import ModelFileError
 from jitllm_core.gguf import GGUFFile
 from jitllm_core.safetensors import SafetensorsFolder
@@ -71,9 +72,9 @@ def test_valid_gguf_parses(tmp_path):
     assert g.get("x.names") == ["a", "é"] and g.get("x.ints") == [-1, 2] and g.get("x.nested") == [[1], []]
     assert g.get("absent", None) is None
     a, b, c = g.tensors["a.weight"], g.tensors["b.weight"], g.tensors["c"]
-    assert (a.shape, a.type_name, a.nbytes, a.supported) == ((2, 64), "F32", 512, True)
+    assert (a.shape, a.type_name, a.nbytes) == ((2, 64), "F32", 512)
     assert (b.shape, b.type_name, b.nbytes) == ((3, 32), "Q8_0", 3 * 34)
-    assert (c.type_name, c.supported) == ("Q5_0", False)  # parsed, but the engine cannot run it
+    assert (c.type_name, c.nbytes) == ("Q5_0", 22)
     raw = g.raw("b.weight")
     assert raw.dtype == np.uint8 and not raw.flags.writeable
     assert raw.tolist() == list(range(102))  # the data section holds 0, 1, 2, ...; b sits at its byte 512
@@ -92,7 +93,7 @@ def test_real_model_metadata_and_tensors():
     assert (emb.shape, emb.type_name, emb.nbytes) == ((49152, 576), "Q8_0", 49152 * 576 // 32 * 34)
     assert g.tensors["blk.0.ffn_down.weight"].shape == (576, 1536)
     assert {t.type_name for t in g.tensors.values()} == {"F32", "Q4_1", "Q8_0"}
-    assert all(t.supported for t in g.tensors.values())
+    assert all(t.type_name in quant.FORMATS for t in g.tensors.values())  # the engine reads every one
 
 
 def test_missing_metadata_key(tmp_path):
@@ -316,6 +317,9 @@ def test_a_valid_config_opens(tmp_path):
     from jitllm_core.modelfile import ModelFile
     cfg = ModelFile(llama_gguf(tmp_path)).config
     assert (cfg.n_layer, cfg.dim, cfg.n_head, cfg.n_kv, cfg.head_dim, cfg.vocab) == (1, 8, 2, 2, 4, 3)
+    # heads wider than embedding_length / head_count (Qwen3's), as the converter writes them
+    wide = {"llama.attention.key_length": (U32, 8), "llama.attention.value_length": (U32, 8)}
+    assert ModelFile(llama_gguf(tmp_path, **wide)).config.head_dim == 8
 
 
 @pytest.mark.parametrize("changes, problem", [
@@ -329,6 +333,11 @@ def test_a_valid_config_opens(tmp_path):
     ({"llama.attention.head_count": (STRING, "two")}, "llama.attention.head_count is 'two'; a whole number"),
     ({"llama.block_count": (ARRAY, (U32, [1, 2]))}, "llama.block_count is [1, 2]; a whole number"),
     ({"llama.attention.layer_norm_rms_epsilon": (STRING, "tiny")}, "layer_norm_rms_epsilon is 'tiny'; a number"),
+    # heads of another size than their rope's (a partial rope) or their values': not computed as whole heads
+    ({"llama.attention.key_length": (U32, 4), "llama.rope.dimension_count": (U32, 2)},
+     "llama.rope.dimension_count is 2 but the head size is 4 (llama.attention.key_length)"),
+    ({"llama.rope.dimension_count": (U32, 4), "llama.attention.value_length": (U32, 8)},
+     "llama.attention.value_length is 8 but the head size is 4 (llama.rope.dimension_count)"),
 ])
 def test_a_config_value_no_model_has_is_named(tmp_path, changes, problem):
     from jitllm_core.modelfile import ModelFile

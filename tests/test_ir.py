@@ -115,6 +115,7 @@ def op_examples():
         # a group of NORM_LANES tokens a lane each, then 3 one by one
         "rmsnorm_lanes": (ops.rmsnorm(16, 20, 1e-5), {"n_tokens": 20, "t0": 1}),
         "rmsnorm_wide": (ops.rmsnorm(64, T, 1e-5, wide=True), {"n_tokens": 3, "t0": 1}),
+        "head_rmsnorm": (ops.head_rmsnorm(3, 8, T, 1e-6), {"n_tokens": 3, "t0": 1}),
         "matmul_q4_1": (ops.matmul(quant.FORMATS["Q4_1"], 5, 64, T, accumulate=True, bias=True), {"n_tokens": 3, "t0": 1}),
         "matmul_q4_k": (ops.matmul(quant.FORMATS["Q4_K"], 3, 256, T), {"n_tokens": 2, "t0": 0}),
         "matmul_q6_k": (ops.matmul(quant.FORMATS["Q6_K"], 3, 256, T), {"n_tokens": 2, "t0": 0}),
@@ -155,13 +156,25 @@ def op_inputs(k):
     if k.buffers.get("w") is not None and k.buffers["w"].dtype == "u8":
         fmt = next(f for f in quant.FORMATS.values() if f"_{f.name}_" in k.name)
         blocks = bufs["w"].reshape(-1, fmt.unit)
-        half_offsets = {"Q8_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [208]}[fmt.name]
-        for o in half_offsets:
+        for o in fmt.halves:
             blocks[:, o:o + 2] = (rng.standard_normal(len(blocks)) * 0.01).astype(np.float16).view(np.uint8).reshape(-1, 2)
     for name in ("kc", "vc"):
         if name in bufs and not k.buffers[name].write:
             bufs[name] = rng.standard_normal(bufs[name].size).astype(bufs[name].dtype)
     return bufs
+
+
+def test_head_rmsnorm_normalizes_each_head(cpu):
+    """Qwen3's query and key norms: every head of the tokens from t0 over its own rms, times the weight, in place;
+    the tokens before t0 left as they were."""
+    heads, hd, T, eps = 4, 16, 5, 1e-6
+    rng = np.random.default_rng(3)
+    q, w = rng.standard_normal((T, heads, hd)).astype(np.float32), rng.uniform(0.5, 1.5, hd).astype(np.float32)
+    got = run_on_device(cpu, ops.head_rmsnorm(heads, hd, T, eps), {"q": q.ravel().copy(), "w": w},
+                        {"n_tokens": 4, "t0": 1})["q"].reshape(T, heads, hd)
+    want = q.copy()
+    want[1:4] = q[1:4] / np.sqrt((q[1:4] ** 2).mean(-1, keepdims=True) + eps) * w
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_prefill_matmul_refuses_rows_that_are_not_whole_groups():

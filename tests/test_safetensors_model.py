@@ -3,8 +3,8 @@ against HF transformers running the very same folder.
 
 The models are small and random (built here with transformers, seeded), with SmolLM2's tokenizer saved
 beside them: a Llama (GQA, separate LM head) in float32 and again in bfloat16 / float16 (the engine then
-reads BF16 / F16 tensors; the reference runs that same model upcast to float32), and a Qwen2-style model
-(q/k/v biases).
+reads BF16 / F16 tensors; the reference runs that same model upcast to float32), a Qwen2-style model
+(q/k/v biases) and a Qwen3-style one (per-head query and key norms, heads wider than hidden / heads).
 """
 import os
 
@@ -32,11 +32,14 @@ SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_ke
              intermediate_size=512, rms_norm_eps=1e-5, max_position_embeddings=512, tie_word_embeddings=False)
 # rope theta not the loader's default (1e4), so that a theta not found in config.json shows
 ROPE = {"rope_theta": 500000.0}
-VARIANTS = {  # name -> (config class name, dtype saved, rope parameters)
+# Qwen3's heads: 128 wide (its default), 4 of them in a hidden size of 256
+QWEN3_HEADS = dict(num_attention_heads=4, head_dim=128)
+VARIANTS = {  # name -> (config class name, dtype saved, rope parameters[, shape changes])
     "llama-f32": ("LlamaConfig", "float32", ROPE),
     "llama-bf16": ("LlamaConfig", "bfloat16", ROPE),
     "llama-f16": ("LlamaConfig", "float16", ROPE),
     "qwen2-f32": ("Qwen2Config", "float32", ROPE),  # attention biases on q, k, v
+    "qwen3-f32": ("Qwen3Config", "float32", ROPE, QWEN3_HEADS),
     "mistral-f32": ("MistralConfig", "float32", ROPE),  # a sliding window (4096) past these prompts
     # scaled rope: an original context of 64 positions scales most of the frequencies these prompts turn through
     "llama-rope-linear": ("LlamaConfig", "float32", {**ROPE, "rope_type": "linear", "factor": 4.0}),
@@ -63,9 +66,10 @@ def _build(folder, variant, tokenizer):
     The reference is loaded back from the folder rather than upcast in memory: `.to(float16)` would also
     round the rotary inverse frequencies (a buffer that is not saved), which moves later positions by 1e-2.
     """
-    cls_name, dtype, rope = VARIANTS[variant]
+    cls_name, dtype, rope, *shape = VARIANTS[variant]
     config = getattr(transformers, cls_name)(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                                             eos_token_id=tokenizer.eos_token_id, rope_parameters=rope, **SHAPE)
+                                             eos_token_id=tokenizer.eos_token_id, rope_parameters=rope,
+                                             **{**SHAPE, **(shape[0] if shape else {})})
     assert config.vocab_size == 49152
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -120,6 +124,9 @@ def test_folder_is_what_the_test_means(models):
         assert st.tensors["model.layers.0.self_attn.k_proj.weight"].shape == (64, 256)  # GQA: 2 KV heads of 32
         assert {t.type_name for t in st.tensors.values()} == {want}
     assert "model.layers.0.self_attn.q_proj.bias" in SafetensorsFolder(models["qwen2-f32"][0]).tensors
+    qwen3 = SafetensorsFolder(models["qwen3-f32"][0]).tensors
+    assert qwen3["model.layers.0.self_attn.q_norm.weight"].shape == (128,)
+    assert qwen3["model.layers.0.self_attn.q_proj.weight"].shape == (512, 256)
 
 
 @pytest.mark.parametrize("variant", variants())

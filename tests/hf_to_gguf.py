@@ -1,0 +1,66 @@
+"""A transformers model written to GGUF as llama.cpp's converter (convert_hf_to_gguf.py) writes it: GGUF tensor
+names, the architecture's keys, the default model's tokenizer, 2-D weights in a chosen ggml type. For `llama` the
+converter reorders each head's query and key rows to adjacent rope pairs; for `qwen2` and `qwen3` it keeps HF's
+order (llama.cpp rotates their halves, "neox" rope) -- what the engine must undo as it loads them."""
+import numpy as np
+
+gguf = __import__("pytest").importorskip("gguf")
+
+NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+         "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+         "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def _gguf_name(hf):
+    if hf.startswith("model.layers."):
+        i, rest = hf[len("model.layers."):].split(".", 1)
+        part, kind = rest.rsplit(".", 1)
+        return f"blk.{i}.{NAMES[part]}.{kind}"
+    return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+            "lm_head.weight": "output.weight"}[hf]
+
+
+def _pairs(w, n_heads):
+    """HF's rotate-half rows of each head -> adjacent pairs (the converter's permute for llama)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write(model, arch, path, tokenizer_gguf, matrix_type="Q8_0"):
+    c = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    if arch == "llama":
+        w.add_rope_dimension_count(head_dim)
+    if head_dim != c.hidden_size // c.num_attention_heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    tok = gguf.GGUFReader(tokenizer_gguf)
+    for name, f in tok.fields.items():
+        if name.startswith("tokenizer."):
+            array = f.types[0] == gguf.GGUFValueType.ARRAY
+            w.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[-1] if array else None)
+    for hf, t in model.state_dict().items():
+        a = t.detach().float().numpy()
+        name = _gguf_name(hf)
+        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            a = _pairs(a, c.num_attention_heads if ".attn_q." in name else c.num_key_value_heads)
+        if a.ndim == 2:
+            kind = gguf.GGMLQuantizationType[matrix_type]
+            data = a if matrix_type == "F32" else gguf.quants.quantize(a, kind)
+            w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
+        else:
+            w.add_tensor(name, np.ascontiguousarray(a, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
