@@ -172,6 +172,9 @@ class Interpreter:
             return bool(a)
         if isinstance(e, ir.Select):
             return self.ev(e.a, env) if self.ev(e.cond, env) else self.ev(e.b, env)
+        if isinstance(e, ir.Lut):  # from the definition, not Lut.expanded: the backends' forms are checked against it
+            a = self.ev(e.a, env)
+            return _wrap(sum(e.table[(a >> 8 * j) & 15] << 8 * j for j in range(e.nbytes)))
         if isinstance(e, ir.Reduce):
             n = self.ev(e.extent, env)
             inner = dict(env)

@@ -5,8 +5,9 @@ A Kernel has buffer parameters (storage dtype, read/write), i32 scalar parameter
 Types. Buffers have a *storage* dtype (f32, f16, bf16, u8, i8, i32). Expressions have a *compute* dtype:
 f32, i32 or bool. A Load converts storage -> compute (f16/bf16 -> f32, u8/i8 -> i32) and a Store converts
 compute -> storage (f32 -> f16 rounds to nearest even). Backends therefore never need half arithmetic.
-Indices are flat element indices (i32). i32 has bitwise ops besides arithmetic, and `dot4` (a sum of 4 byte
-products, exact: quantized weights times int8 digits of activations).
+Indices are flat element indices (i32). i32 has bitwise ops besides arithmetic, `dot4` (a sum of 4 byte
+products, exact: quantized weights times int8 digits of activations) and `lut16` (each byte looked up in a table
+of 16 bytes: 4-bit codes to non-linear levels; `Lut.expanded` is its portable form for a backend without a native one).
 
 Structure. The top-level statements of a kernel run in order. A top-level `Loop(kind="parallel")` spreads its
 iterations over threads / workgroups; iterations must be independent. A top-level `Barrier()` waits until every
@@ -144,6 +145,31 @@ class Select(Expr):
 
 
 @dataclass(frozen=True, eq=False)
+class Lut(Expr):
+    """Byte j of the result is table[byte j of a & 15] for j < nbytes, 0 above (`lut16`)."""
+    a: Expr
+    table: tuple  # 16 values in 0..255
+    nbytes: int = 4
+
+    @property
+    def dtype(self):
+        return "i32"
+
+    def expanded(self) -> Expr:
+        """The same value from shifts, masks and selects: each byte's code picks one of the table's 4 words (two
+        selects) and its byte in it (a shift)."""
+        words = [int.from_bytes(bytes(self.table[4 * w:4 * w + 4]), "little", signed=True) for w in range(4)]
+        out = None
+        for j in range(self.nbytes):
+            i = (self.a >> 8 * j) & 15 if j else self.a & 15
+            word = select(i < 8, select(i < 4, words[0], words[1]), select(i < 12, words[2], words[3]))
+            v = (word >> ((i & 3) << 3)) & 255
+            v = v << 8 * j if j else v
+            out = v if out is None else out | v
+        return out
+
+
+@dataclass(frozen=True, eq=False)
 class Reduce(Expr):
     op: str
     var: str
@@ -185,6 +211,16 @@ def dot4(a, b) -> Expr:
     4 quantized weights times 4 int8 digits of activations, summed exactly in i32. One lane of x86's VNNI
     vpdpbusd, CUDA's dp4a.u32.s32; plain integer arithmetic elsewhere."""
     return Bin("dot4", as_expr(a), as_expr(b))
+
+
+def lut16(a, table, nbytes=4) -> Expr:
+    """Each of the low `nbytes` bytes of i32 a replaced by table[its low 4 bits] (16 byte values), the bytes above
+    0: 4 weights' 4-bit codes to their levels at once (IQ4's non-linear ones). One byte shuffle a vector on x86
+    (pshufb); shifts and selects elsewhere (`Lut.expanded`)."""
+    table = tuple(int(v) for v in table)
+    if len(table) != 16 or not all(0 <= v <= 255 for v in table) or nbytes not in (1, 2, 3, 4):
+        raise IRError(f"lut16 needs 16 byte values and 1-4 bytes, got {len(table)} values, {nbytes} bytes")
+    return Lut(as_expr(a), table, nbytes)
 
 
 def vmin(a, b):
@@ -434,6 +470,9 @@ def check(k: Kernel):
         if isinstance(e, Cast):
             ex(e.a, env)
             return e.dtype
+        if isinstance(e, Lut):
+            _want(ex(e.a, env), "i32", "lut16 argument")
+            return "i32"
         if isinstance(e, Select):
             _want(ex(e.cond, env), "bool", "select condition")
             a, b = ex(e.a, env), ex(e.b, env)
@@ -511,6 +550,8 @@ def dump(k: Kernel) -> str:
             return f"{e.dtype}({ex(e.a)})"
         if isinstance(e, Select):
             return f"({ex(e.cond)} ? {ex(e.a)} : {ex(e.b)})"
+        if isinstance(e, Lut):
+            return f"lut16.{e.nbytes}({ex(e.a)}, {bytes(e.table).hex()})"
         if isinstance(e, Reduce):
             return f"{e.op}.{e.kind}({e.var} < {ex(e.extent)}: {ex(e.value)})"
         raise IRError(repr(e))

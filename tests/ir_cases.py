@@ -131,6 +131,31 @@ def byte_dots(groups=2, n=16, steps=6):
     return k
 
 
+# IQ4's non-linear levels, offset to bytes: the table lut16 serves, with bytes above 127
+LEVELS = (1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241)
+
+
+def byte_lookups(groups=2, n=16):
+    """lut16 as IQ4 dots use it: a word of nibbles from a byte buffer looked up 4 bytes at once, fed to dot4; its
+    low byte alone (nbytes 1) as a float, as dequantization reads it; 2 and 3 bytes of lane-varying codes whose
+    bytes are not below 16 (only their low 4 bits count); a uniform code (the same for every lane); a scalar."""
+    k = ir.Kernel("byte_lookups")
+    k.buffer("w", "u8", groups * n * 4), k.buffer("x", "i32", n), k.buffer("a", "i32", groups * n)
+    k.buffer("o", "i32", groups * n * 4, True), k.buffer("f", "f32", groups * n, True), k.buffer("s", "i32", groups, True)
+    with k.parallel("g", groups) as g:
+        with k.loop("l", n, "vector") as l:
+            r = g * n + l
+            word = (k.load("w", r * 4) | (k.load("w", r * 4 + 1) << 8) | (k.load("w", r * 4 + 2) << 16)
+                    | (k.load("w", r * 4 + 3) << 24))
+            k.store("o", r * 4, ir.dot4(ir.lut16(word & 0x0F0F0F0F, LEVELS), k.load("x", l)))
+            k.store("o", r * 4 + 1, ir.lut16(k.load("a", r), LEVELS, 2))
+            k.store("o", r * 4 + 2, ir.lut16((word >> 4) & 0x0F0F0F0F, LEVELS, 3))
+            k.store("o", r * 4 + 3, ir.lut16(k.load("a", g), LEVELS))
+            k.store("f", r, F(ir.lut16(word >> 4, LEVELS, 1)) - 128.0)
+        k.store("s", g, ir.lut16(k.load("a", g), LEVELS))
+    return k
+
+
 def reductions(rows=5, cols=45):
     k = ir.Kernel("reductions")
     k.buffer("x", "f32", rows * cols), k.buffer("o", "f32", rows * 8, True)
@@ -267,6 +292,7 @@ CASES = {
     "word_bits": (word_bits, {}),
     "lane_idioms": (lane_idioms, {}),
     "byte_dots": (byte_dots, {}),
+    "byte_lookups": (byte_lookups, {}),
     "reductions": (reductions, {"n": 13}),
     "long_reduction": (long_reduction, {}),
     "vector_loops": (vector_loops, {}),

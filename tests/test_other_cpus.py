@@ -61,3 +61,30 @@ def test_default_model_matches_transformers(vnni, default_model):
         assert prompt <= 1e-3
     finally:
         eng.close()
+
+
+def test_byte_shuffle_emulation_is_the_instruction():
+    """lut16's AVX-512BW byte shuffle as emulated for a CPU without it: the same bytes as the instruction where this
+    CPU has it, and as its definition (each 16-byte lane's own bytes; an index with its top bit set gives 0)."""
+    import ctypes
+
+    import llvmlite.binding as llvm
+    import numpy as np
+    from jitllm_cpu_llvm import emulation, runtime
+    if "avx512bw" not in runtime.isa():
+        pytest.skip("this CPU has no AVX-512BW to compare the emulation with")
+    v = "<64 x i8>"
+    text = (f'declare {v} @"llvm.x86.avx512.pshuf.b.512"({v} %".1", {v} %".2")\n'  # as llvmlite declares it
+            f"define void @f(ptr %o, ptr %t, ptr %i) {{\n%a = load {v}, ptr %t, align 1\n%b = load {v}, ptr %i, align 1\n"
+            f'%r = call {v} @"llvm.x86.avx512.pshuf.b.512"({v} %a, {v} %b)\nstore {v} %r, ptr %o, align 1\nret void\n}}\n')
+    rng = np.random.default_rng(0)
+    table, index = rng.integers(0, 256, 64).astype(np.uint8), rng.integers(0, 256, 64).astype(np.uint8)
+    want = np.where(index >= 128, 0, table[(np.arange(64) & ~15) + (index & 15)]).astype(np.uint8)
+    for source in (text, emulation.emulated(text, ["avx2"])):
+        mod = llvm.parse_assembly(source)
+        engine = llvm.create_mcjit_compiler(mod, runtime.target_machine())
+        engine.finalize_object()
+        out = np.zeros(64, np.uint8)
+        ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)(engine.get_function_address("f"))(
+            out.ctypes.data, table.ctypes.data, index.ctypes.data)
+        np.testing.assert_array_equal(out, want)

@@ -14,6 +14,7 @@ NEEDS = {
     "llvm.x86.avx512.permvar.sf.512": [{"avx512f"}],
     "llvm.x86.avx512.pmaddubs.w.512": [{"avx512bw"}],
     "llvm.x86.avx512.pmaddw.d.512": [{"avx512bw"}],
+    "llvm.x86.avx512.pshuf.b.512": [{"avx512bw"}],
 }
 DECLARE = re.compile(r'^declare (\S+(?: x \w+>)?) @"(llvm\.x86\.[\w.]+)"\((.*)\)$', re.M)
 
@@ -96,5 +97,20 @@ def _permvar(ret, v, idx):
     return "\n".join(lines + [f"ret {ret} {prev}"])
 
 
+def _pshufb(ret, v, idx):
+    """byte i of the result: 0 where idx's byte i has its top bit set, else byte idx[i] & 15 of v's 16-byte lane
+    holding byte i"""
+    n, _ = _lanes(ret)
+    lines, prev = [], "poison"
+    for i in range(n):
+        lines += [f"%i{i} = extractelement {idx} %a1, i32 {i}", f"%m{i} = and i8 %i{i}, 15",
+                  f"%w{i} = zext i8 %m{i} to i32", f"%p{i} = add i32 %w{i}, {i & ~15}",
+                  f"%e{i} = extractelement {v} %a0, i32 %p{i}", f"%z{i} = icmp slt i8 %i{i}, 0",
+                  f"%s{i} = select i1 %z{i}, i8 0, i8 %e{i}", f"%r{i} = insertelement {ret} {prev}, i8 %s{i}, i32 {i}"]
+        prev = f"%r{i}"
+    return "\n".join(lines + [f"ret {ret} {prev}"])
+
+
 BODIES = {"llvm.x86.avx512.vpdpbusd": _vpdpbusd, "llvm.x86.avx512.pmaddubs.w": _pmaddubsw,
-          "llvm.x86.avx512.pmaddw.d": _pmaddwd, "llvm.x86.avx512.permvar.sf": _permvar}
+          "llvm.x86.avx512.pmaddw.d": _pmaddwd, "llvm.x86.avx512.permvar.sf": _permvar,
+          "llvm.x86.avx512.pshuf.b": _pshufb}

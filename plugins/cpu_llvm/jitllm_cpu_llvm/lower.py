@@ -23,6 +23,9 @@ order (through functions of STEP_PART launches each) with a barrier after each t
 """
 from __future__ import annotations
 
+import functools
+import operator
+
 from llvmlite import ir as L
 
 from jitllm_core import ir
@@ -437,6 +440,8 @@ class KernelLowering:
             return self.cast(self.expr(e.a), e.a.dtype, e.dtype)
         if isinstance(e, ir.Select):
             return b.select(self.expr(e.cond), self.expr(e.a), self.expr(e.b))
+        if isinstance(e, ir.Lut):
+            return self.expr(e.expanded())
         if isinstance(e, ir.Reduce):
             return self.reduce(e)
         raise ir.IRError(f"cannot lower {e!r}")
@@ -725,6 +730,12 @@ class KernelLowering:
             if x.kind == "u":
                 return VVal("u", self.cast(x.val, e.a.dtype, e.dtype))
             return VVal("v", self.cast(self.to_vec(x, e.a.dtype), e.a.dtype, e.dtype))
+        if isinstance(e, ir.Lut):
+            x = self.vexpr(e.a, venv)
+            shuffle = self._pshufb(self.W)
+            if x.kind == "u" or shuffle is None:
+                return self.vexpr(e.expanded(), venv)
+            return VVal("v", self.lut16(e, shuffle, self.to_vec(x, "i32")))
         if isinstance(e, ir.Select):
             c, x, y = self.vexpr(e.cond, venv), self.vexpr(e.a, venv), self.vexpr(e.b, venv)
             if c.kind == x.kind == y.kind == "u":
@@ -849,6 +860,24 @@ class KernelLowering:
         vt = L.VectorType(F32, 16)
         fn = self.declare("llvm.x86.avx512.permvar.sf.512", vt, [vt, v.type])
         return self.b.call(fn, [L.Constant(vt, [float(t) for t in table]), v])
+
+    def _pshufb(self, n):
+        """The byte shuffle for vectors of n i32 where the CPU has it, else None."""
+        shuffle = {16: ("avx512bw", "llvm.x86.avx512.pshuf.b.512"), 8: ("avx2", "llvm.x86.avx2.pshuf.b"),
+                   4: ("ssse3", "llvm.x86.ssse3.pshuf.b.128")}.get(n)
+        return shuffle[1] if shuffle and shuffle[0] in self.isa else None
+
+    def lut16(self, e, shuffle, v):
+        """IR lut16 e of the lanes v: one pshufb of their bytes by the table (16 bytes, in each 16-byte lane of the
+        vector); a byte above e.nbytes gets index 0x80, which pshufb turns into 0."""
+        b, n = self.b, v.type.count
+        bt = L.VectorType(I8, 4 * n)
+        keep = (1 << 8 * e.nbytes) - 1
+        index = b.or_(b.and_(v, self.splat_like(v, I32, _signed32(0x0F0F0F0F & keep))),
+                      self.splat_like(v, I32, _signed32(0x80808080 & ~keep & 0xFFFFFFFF)))
+        table = L.Constant(bt, [t - 256 if t > 127 else t for _ in range(n // 4) for t in e.table])
+        out = b.call(self.declare(shuffle, bt, [bt, bt]), [table, b.bitcast(index, bt)])
+        return b.bitcast(out, v.type)
 
     def prefetch_ahead(self, buf, ptr, index, venv, lane_bytes):
         """Prefetch the kernel's distances (PREFETCH unless tuned) past ptr (element `index` of buf, lanes
@@ -1114,6 +1143,8 @@ def _range(e, k):
         a = _range(e.a, k)
         if e.op == "shr" and a and a[0] >= 0:
             return a[0] >> e.b.value, a[1] >> e.b.value
+    if isinstance(e, ir.Lut) and e.nbytes == 1:
+        return min(e.table), max(e.table)
     return None
 
 
@@ -1126,6 +1157,9 @@ def _table(e, k):
     on x & m (m < 16), or on a value known to lie in [0, 15] -- else None."""
     if isinstance(e, ir.Bin) and e.op == "and" and isinstance(e.b, ir.Const) and 0 <= e.b.value <= 15:
         return e.a, [i & e.b.value for i in range(16)]
+    if isinstance(e, ir.Lut) and e.nbytes == 1:  # the table of the code's low 4 bits, or of a function of them
+        inner = _table(e.a, k)
+        return (inner[0], [e.table[v & 15] for v in inner[1]]) if inner else (e.a, list(e.table))
     r = _range(e, k)
     if r and 0 <= r[0] and r[1] <= 15:
         return e, list(range(16))
@@ -1217,6 +1251,8 @@ def _same(a, b):
         return a.name == b.name
     if isinstance(a, (ir.Bin, ir.Un)) and a.op != b.op or isinstance(a, ir.Load) and a.buf != b.buf:
         return False
+    if isinstance(a, ir.Lut) and (a.table, a.nbytes) != (b.table, b.nbytes):
+        return False
     ca, cb = _children(a), _children(b)
     return bool(ca) and len(ca) == len(cb) and all(_same(x, y) for x, y in zip(ca, cb))
 
@@ -1249,6 +1285,9 @@ def _bits(e):
             return (a << c) & 0xFFFFFFFF
         sign = (0xFFFFFFFF << (32 - c)) & 0xFFFFFFFF if a & 0x80000000 else 0  # copies of the sign bit
         return a >> c | sign
+    if isinstance(e, ir.Lut):
+        top = functools.reduce(operator.or_, e.table)
+        return sum(top << 8 * j for j in range(e.nbytes))
     return 0xFFFFFFFF
 
 
@@ -1355,11 +1394,16 @@ def _children(e):
         return (e.index,)
     if isinstance(e, ir.Bin):
         return (e.a, e.b)
-    if isinstance(e, (ir.Un, ir.Cast)):
+    if isinstance(e, (ir.Un, ir.Cast, ir.Lut)):
         return (e.a,)
     if isinstance(e, ir.Select):
         return (e.cond, e.a, e.b)
     return ()
+
+
+def _signed32(v):
+    """A 32-bit pattern as the i32 constant that holds it."""
+    return v - (1 << 32) if v >= 1 << 31 else v
 
 
 def claim_counters(kernel) -> int:

@@ -93,7 +93,8 @@ def simd_width(feats=None):
     return 16 if feats.get("avx512f") else 8 if feats.get("avx2") else 4
 
 
-ISA = ("avx512vnni", "avxvnni", "avx512vl", "avx512bw", "avx2")  # what the lowering of IR dot4 picks from
+# what the lowering picks instructions by: IR dot4's byte dots, lut16's byte shuffles
+ISA = ("avx512vnni", "avxvnni", "avx512vl", "avx512bw", "avx2", "ssse3")
 
 
 def isa(feats=None):

@@ -212,7 +212,7 @@ def _walk(node):
         kids = [node.index]
     elif isinstance(node, ir.Bin):
         kids = [node.a, node.b]
-    elif isinstance(node, (ir.Un, ir.Cast)):
+    elif isinstance(node, (ir.Un, ir.Cast, ir.Lut)):
         kids = [node.a]
     elif isinstance(node, ir.Select):
         kids = [node.cond, node.a, node.b]
@@ -294,7 +294,7 @@ def _sure_loads(e, inner):
         if not {v.name for v in _walk(e.index) if isinstance(v, ir.Var)} & inner:
             yield e
         return
-    for c in (e.a, e.b) if isinstance(e, ir.Bin) else (e.a,) if isinstance(e, (ir.Un, ir.Cast)) else ():
+    for c in (e.a, e.b) if isinstance(e, ir.Bin) else (e.a,) if isinstance(e, (ir.Un, ir.Cast, ir.Lut)) else ():
         yield from _sure_loads(c, inner)
 
 
@@ -577,6 +577,8 @@ class _Function:
         if isinstance(e, ir.Select):
             c, a, b = self.ex(e.cond), self.ex(e.a), self.ex(e.b)
             return f"({c} ? {a} : {b})"
+        if isinstance(e, ir.Lut):
+            return self.ex(e.expanded())
         if isinstance(e, ir.Reduce):
             return self.reduce(e)
         raise BackendError(f"cuda: kernel {self.k.name}: cannot lower {e!r}")

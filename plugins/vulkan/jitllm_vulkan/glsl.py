@@ -436,6 +436,8 @@ class _Segment:
             return f"{CTYPE[e.dtype]}({a})"
         if isinstance(e, ir.Select):
             return f"({x(e.cond)} ? {x(e.a)} : {x(e.b)})"
+        if isinstance(e, ir.Lut):
+            return x(e.expanded())
         if isinstance(e, ir.Reduce):
             return self.reduce(e, mode, env)
         raise LoweringError(f"{self.lw.k.name}: cannot lower {e!r}")
