@@ -279,6 +279,38 @@ class Q6_K(Format):
         return out
 
 
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # IQ4_NL's, IQ4_XS's 16
+IQ4_CODES = tuple(v + 128 for v in IQ4_LEVELS)  # the levels as bytes (u = level + 128): the lut16 table of IQ4's
+
+
+def _level(q):
+    """The IQ4 level of the code in q's low 4 bits, as f32."""
+    return F(ir.lut16(q, IQ4_CODES, 1) - 128)
+
+
+class IQ4_NL(Format):
+    halves = (0,)
+    # d (f16), 16 bytes of codes: element l in byte l's low nibble, l + 16 in its high one; value = d * level
+    def terms(self, k, buf, base, g, l):
+        d, q = _half(k, buf, base), k.load(buf, base + 2 + l)
+        return [(l, d * _level(q)), (l + 16, d * _level(q >> 4))]
+
+
+class IQ4_XS(Format):
+    halves = (0,)
+    # d (f16), scales_h (u16: bits 2s, 2s + 1 the top of sub-block s's 6-bit scale), scales_l (4 bytes: sub-block
+    # s's low 4 bits in byte s // 2, nibble s % 2), 128 bytes of codes (sub-block s's 16 bytes as IQ4_NL's);
+    # value = d * (scale - 32) * level; group s: sub-block s
+    def scale(self, k, buf, base, s):
+        low = (k.load(buf, base + 4 + s // 2) >> 4 * (s % 2)) & 15
+        high = (_u16(k, buf, base + 2) >> 2 * s) & 3
+        return _half(k, buf, base) * F((low | (high << 4)) - 32)
+
+    def terms(self, k, buf, base, s, l):
+        sc, q = self.scale(k, buf, base, s), k.load(buf, base + 8 + 16 * s + l)
+        return [(32 * s + l, sc * _level(q)), (32 * s + 16 + l, sc * _level(q >> 4))]
+
+
 ROWS = 16  # rows stored together in the interleaved layouts: a vector of lanes, one row each
 NIBBLES = 0x0F0F0F0F
 DIGITS = 3  # signed base-256 digits of an activation's integer in the dot4 layouts' dots (ops.quantize_input)
@@ -373,12 +405,15 @@ def _spread4(bits, to=4):
     return ((bits * 0x00204081) & 0x01010101) << to
 
 
-def _quants(k, buf, at, off, fifth, w):
+def _quants(k, buf, at, off, fifth, w, table=None):
     """The two words of q of word w of a sub-block: elements 4w .. 4w + 3 and 16 + 4w .. 16 + 4w + 3, a byte each:
     the word's low and high nibbles, or'ed with their fifth bits (byte w of the word at field `fifth`: the
-    first four elements' in bits 0-3, the others' in bits 4-7) when the sub-block has them."""
+    first four elements' in bits 0-3, the others' in bits 4-7) when the sub-block has them, or looked up in
+    `table` (lut16) when its nibbles are codes."""
     q = _word(k, buf, at(off + 4 * w, 4))
     low, high = q & NIBBLES, (q >> 4) & NIBBLES
+    if table is not None:
+        return ir.lut16(low, table), ir.lut16(high, table)
     if fifth is None:
         return low, high
     h = _word(k, buf, at(fifth, 4)) >> 8 * w
@@ -393,24 +428,26 @@ def _quad_dot(q, inp, e0):
     return _digit_dot(sums) * inp.scale(e0)
 
 
-def _nibble_dot(k, buf, at, off, inp, e0, fifth=None):
+def _nibble_dot(k, buf, at, off, inp, e0, fifth=None, table=None):
     """sum q * x over the 32 elements from e0 of a 4- or 5-bit sub-block whose 4 words of nibbles start at field
-    `off` (word w: elements 4w .. 4w + 3 in its low nibbles, 16 + 4w .. in its high ones; fifth bits: `_quants`),
-    q unscaled: a dot4 of each word's quants with each digit of the input."""
+    `off` (word w: elements 4w .. 4w + 3 in its low nibbles, 16 + 4w .. in its high ones; fifth bits and codes:
+    `_quants`), q unscaled: a dot4 of each word's quants with each digit of the input."""
     def digit(i):
         def step(w):
-            low, high = _quants(k, buf, at, off, fifth, w)
+            low, high = _quants(k, buf, at, off, fifth, w, table)
             return ir.dot4(low, inp.word(i, e0 + 4 * w)) + ir.dot4(high, inp.word(i, e0 + 16 + 4 * w))
         return ir.reduce("add", "w", 4, step, "unroll")
     return _digit_dot([digit(i) for i in range(inp.digits)]) * inp.scale(e0)
 
 
-def _nibbles(k, buf, at, off, fifth=None):
+def _nibbles(k, buf, at, off, fifth=None, table=None):
     out = []
     for w in range(4):
-        if fifth is None:  # each value a shift and a mask away
+        if fifth is None:  # each value a shift and a mask (or a lookup) away
             q = _word(k, buf, at(off + 4 * w, 4))
-            out += [(e + 4 * w + j, F((q >> (8 * j + 4 * (e // 16))) & 15)) for e in (0, 16) for j in range(4)]
+            code = lambda e, j: q >> (8 * j + 4 * (e // 16))
+            out += [(e + 4 * w + j, F(code(e, j) & 15) if table is None else F(ir.lut16(code(e, j), table, 1)))
+                    for e in (0, 16) for j in range(4)]
             continue
         for e, q in zip((0, 16), _quants(k, buf, at, off, fifth, w)):
             out += [(e + 4 * w + j, F((q >> 8 * j) & 31)) for j in range(4)]
@@ -419,8 +456,10 @@ def _nibbles(k, buf, at, off, fifth=None):
 
 class Affine4(Interleaved):
     """4- or 5-bit sub-blocks of 32 (nibble words, and a word of fifth bits, as `_nibble_dot` reads them), each
-    value = scale * q + offset."""
+    value = scale * q + offset; q the nibble's (and fifth bit's) number, or its code's byte in `table` (IQ4's
+    levels + 128, offset -128 scale)."""
     digits = True
+    table = None
 
     def subs(self, k, buf, at, piece):
         """[(scale, offset, field of the 4 nibble words, field of the fifth bits or None, first element)] of the
@@ -428,13 +467,13 @@ class Affine4(Interleaved):
         raise NotImplementedError
 
     def block_dot(self, k, buf, at, inp, piece):
-        parts = [scale * _nibble_dot(k, buf, at, off, inp, e0, fifth) + offset * (inp.sum(e0) + inp.sum(e0 + 16))
-                 for scale, offset, off, fifth, e0 in self.subs(k, buf, at, piece)]
+        parts = [scale * _nibble_dot(k, buf, at, off, inp, e0, fifth, self.table)
+                 + offset * (inp.sum(e0) + inp.sum(e0 + 16)) for scale, offset, off, fifth, e0 in self.subs(k, buf, at, piece)]
         return sum(parts[1:], parts[0])
 
     def piece_values(self, k, buf, at, piece):
         return [(e0 + e, scale * q + offset) for scale, offset, off, fifth, e0 in self.subs(k, buf, at, piece)
-                for e, q in _nibbles(k, buf, at, off, fifth)]
+                for e, q in _nibbles(k, buf, at, off, fifth, self.table)]
 
 
 class R4(Affine4):
@@ -449,6 +488,24 @@ class R4(Affine4):
 
 class R5(R4):
     fifth = 4
+
+
+class R4NL(R4):
+    """IQ4_NL's blocks of 32: R4's layout, d and the offset -128 d, the codes' bytes looked up (`Affine4`)."""
+    table = IQ4_CODES
+
+
+class R4XS(Affine4):
+    """IQ4_XS's super-blocks of 256: [d f16, 2 bytes unused][8 signed scales (the file's 6-bit ones less 32)][8 x 4
+    words of codes, a sub-block's as R4NL's] per row (140 bytes for the file's 136); sub-block s's value = d *
+    scale_s * level = d * scale_s * u - 128 d * scale_s. Pieces: sub-blocks 0-3, 4-7, each piece's scales a word."""
+    pieces = 2
+    table = IQ4_CODES
+
+    def subs(self, k, buf, at, piece):
+        d, sw = ir.f16bits(_word(k, buf, at(0, 4))), _word(k, buf, at(4 + 4 * piece, 4))
+        scales = [d * F((sw << 24 - 8 * j) >> 24) for j in range(4)]
+        return [(sc, sc * -128.0, 12 + 16 * (4 * piece + j), None, 32 * (4 * piece + j)) for j, sc in enumerate(scales)]
 
 
 class R4K(Affine4):
@@ -606,6 +663,8 @@ FORMATS = {
     "Q4_K": Q4_K("Q4_K", 256, 144, "u8", 4, 32),
     "Q5_K": Q5_K("Q5_K", 256, 176, "u8", 4, 32),
     "Q6_K": Q6_K("Q6_K", 256, 210, "u8", 4, 16),
+    "IQ4_NL": IQ4_NL("IQ4_NL", 32, 18, "u8", 1, 16),
+    "IQ4_XS": IQ4_XS("IQ4_XS", 256, 136, "u8", 8, 16),
 }
 
 
@@ -618,6 +677,8 @@ PACKED = {
     "R6": R6("R6", 256, 212, "u8", 1, ROWS),
     "R2K": R2K("R2K", 256, 84, "u8", 1, ROWS),
     "R3K": R3K("R3K", 256, 116, "u8", 1, ROWS),
+    "R4NL": R4NL("R4NL", 32, 20, "u8", 1, ROWS),
+    "R4XS": R4XS("R4XS", 256, 140, "u8", 1, ROWS),
 }
 
 
@@ -749,11 +810,24 @@ def _pack_q6_k(b, rows):
     return _words(rows, np.concatenate([b[:, 208:210], unused, b[:, 192:208], words.reshape(-1, 192)], axis=1))
 
 
+def _pack_iq4_nl(b, rows):
+    return _words(rows, np.concatenate([b[:, 0:2], _offset_field(b, 128, "IQ4_NL"), b[:, 2:18]], axis=1))
+
+
+def _pack_iq4_xs(b, rows):
+    s = np.arange(8)
+    low = (b[:, 4 + s // 2] >> (4 * (s % 2)).astype(np.uint8)) & 15
+    high = (b[:, 2:4].copy().view("<u2") >> (2 * s).astype(np.uint16)) & 3
+    scales = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
+    unused = np.zeros((len(b), 2), np.uint8)
+    return _words(rows, np.concatenate([b[:, 0:2], unused, scales.view(np.uint8), b[:, 8:136]], axis=1))
+
+
 REPACK = {"Q8_0": ("R8", _pack_q8_0), "Q4_0": ("R4", _pack_q4_0), "Q4_1": ("R4", _pack_q4_1),
           "Q5_0": ("R5", _pack_q5_0), "Q5_1": ("R5", _pack_q5_1),
           "Q2_K": ("R2K", _pack_q2_k), "Q3_K": ("R3K", _pack_q3_k), "Q4_K": ("R4K", _pack_q4_k),
           "Q5_K": ("R5K", _pack_q5_k),
-          "Q6_K": ("R6", _pack_q6_k)}
+          "Q6_K": ("R6", _pack_q6_k), "IQ4_NL": ("R4NL", _pack_iq4_nl), "IQ4_XS": ("R4XS", _pack_iq4_xs)}
 
 
 def packed_format(fmt: Format, rows: int) -> Format:

@@ -1,8 +1,8 @@
 """NumPy quantizers that write ggml's block byte layouts (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_K,
-Q6_K).
+Q6_K, IQ4_NL, IQ4_XS).
 
-They follow llama.cpp's reference quantizers (`quantize_row_*_ref` in ggml-quants.c; Q2_K and Q3_K a plainer
-fit of the same layouts), vectorized over blocks, so files written with them load in llama.cpp and the gguf
+They follow llama.cpp's reference quantizers (`quantize_row_*_ref` in ggml-quants.c; Q2_K, Q3_K and the IQ4s a
+plainer fit of the same layouts), vectorized over blocks, so files written with them load in llama.cpp and the gguf
 package. Each block quantizer comes in two steps: `_parts_<type>` computes scales and integer quants in natural element order, `_quant_<type>` packs
 them into ggml's bytes; tests rebuild the values from the parts and compare them with gguf's dequantizers.
 """
@@ -12,12 +12,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from .quant import IQ4_LEVELS
+
 QK_K = 256
 # type -> (elements per block, bytes per block), as ggml defines them
 BLOCK = {
     "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
     "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20),
     "Q2_K": (QK_K, 84), "Q3_K": (QK_K, 110), "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176), "Q6_K": (QK_K, 210),
+    "IQ4_NL": (32, 18), "IQ4_XS": (QK_K, 136),
 }
 _CHUNK = 1 << 17  # elements per work item: temporaries stay in cache, and numpy's per-call cost stays small
 
@@ -352,8 +355,58 @@ def _quant_q6_k(b):
     return _bytes(ql, qh, sc, d)
 
 
+# ---- IQ4: 4-bit codes of 16 non-linear levels ----
+
+def _levels(x):
+    """The IQ4 level nearest each of x (in level units), as int8 values."""
+    levels = np.array(IQ4_LEVELS, np.float32)
+    i = np.clip(np.searchsorted((levels[1:] + levels[:-1]) / 2, x), 0, 15)
+    return levels[i].astype(np.int8)
+
+
+def _codes(values):
+    """IQ4 levels -> their 4-bit codes"""
+    return np.searchsorted(np.array(IQ4_LEVELS), values.astype(np.int16)).astype(np.uint8)
+
+
+def _extreme(x):
+    """Each row's (last axis') element of the largest magnitude, signed."""
+    return np.take_along_axis(x, np.abs(x).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+
+
+def _parts_iq4_nl(b):
+    """IQ4_NL: blocks of 32, levels under an f16 d -- the largest magnitude to level -127 (not llama.cpp's search)."""
+    d = _f16(_extreme(b) / -127)
+    return d, _levels(b * _div(1, d.astype(np.float32))[:, None])
+
+
+def _quant_iq4_nl(b):
+    d, q = _parts_iq4_nl(b)
+    return _bytes(d, _pack_nibbles32(_codes(q)))
+
+
+def _parts_iq4_xs(b):
+    """IQ4_XS: 8 sub-blocks of 32, levels under 6-bit signed scales (-32..31) under an f16 d -- each sub-block's
+    largest magnitude to level -127, the largest scale to -32 (not llama.cpp's search)."""
+    x = b.reshape(-1, 8, 32)
+    scale = _extreme(x) / -127
+    d = _f16(_extreme(scale) / -32)
+    sc = np.clip(np.rint(scale * _div(1, d.astype(np.float32))[:, None]), -32, 31).astype(np.int8)
+    ds = d.astype(np.float32)[:, None] * sc
+    return d, sc, _levels(x * _div(1, ds)[..., None])
+
+
+def _quant_iq4_xs(b):
+    d, sc, q = _parts_iq4_xs(b)
+    ls = (sc.astype(np.int16) + 32).astype(np.uint16)                       # 0..63
+    high = ((ls >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1, dtype=np.uint16)
+    low = (ls[:, 0::2] & 15) | ((ls[:, 1::2] & 15) << 4)
+    return _bytes(d, high, low.astype(np.uint8), _pack_nibbles32(_codes(q).reshape(-1, 32)).reshape(len(b), -1))
+
+
 _QUANTIZERS = {
     "F32": _quant_f32, "F16": _quant_f16, "BF16": _quant_bf16,
     "Q8_0": _quant_q8_0, "Q4_0": _quant_q4_0, "Q4_1": _quant_q4_1,
     "Q2_K": _quant_q2_k, "Q3_K": _quant_q3_k, "Q4_K": _quant_q4_k, "Q5_K": _quant_q5_k, "Q6_K": _quant_q6_k,
+    "IQ4_NL": _quant_iq4_nl, "IQ4_XS": _quant_iq4_xs,
 }

@@ -1,5 +1,6 @@
-"""A model with k-quant matrices (Q4_K and Q6_K, the 1B benchmark model's formats, Q5_K, Q3_K, Q2_K) and 5-bit
-ones (Q5_0, Q5_1: what llama.cpp's Q4_K_M falls back to for rows that are not whole 256-blocks) through the engine
+"""A model with k-quant matrices (Q4_K and Q6_K, the 1B benchmark model's formats, Q5_K, Q3_K, Q2_K), 5-bit ones
+(Q5_0, Q5_1: what llama.cpp's Q4_K_M falls back to for rows that are not whole 256-blocks) and IQ4's non-linear
+levels (IQ4_XS, and IQ4_NL: IQ4_XS's fallback) through the engine
 against HF transformers on the same file (the layouts' kernels alone: test_quant_formats, and as a VNNI machine runs them:
 test_other_cpus)."""
 import pytest
@@ -12,14 +13,15 @@ from test_model import PROMPTS
 gguf = pytest.importorskip("gguf")
 
 
-K_QUANTS = ("Q4_K", "Q6_K", "Q5_K", "Q3_K", "Q2_K")
+K_QUANTS = ("Q4_K", "Q6_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS")
+BLOCKS_OF_32 = ("Q5_0", "Q5_1", "IQ4_NL")
 
 
 @pytest.fixture(scope="module")
 def k_quant_model(default_model, tmp_path_factory):
     """The default model with its FFN down projections (the only matrices whose rows are whole 256-blocks)
     requantized from the file's values by jitllm's quantizer -- K_QUANTS in turn -- and its V projections
-    by gguf's, Q5_0 and Q5_1 in turn."""
+    BLOCKS_OF_32 in turn (the 5-bit ones by gguf's quantizer)."""
     out = tmp_path_factory.mktemp("k_quants") / "smollm2-k-quants.gguf"
     r = gguf.GGUFReader(default_model)
     arch = r.fields["general.architecture"].contents()
@@ -36,8 +38,10 @@ def k_quant_model(default_model, tmp_path_factory):
             kind = gguf.GGMLQuantizationType[K_QUANTS[layer % len(K_QUANTS)]]
             data = quantize.quantize(gguf.quants.dequantize(t.data, t.tensor_type), kind.name)
         elif t.name.endswith("attn_v.weight"):
-            kind = gguf.GGMLQuantizationType[("Q5_0", "Q5_1")[layer % 2]]
-            data = gguf.quants.quantize(gguf.quants.dequantize(t.data, t.tensor_type), kind)
+            kind = gguf.GGMLQuantizationType[BLOCKS_OF_32[layer % len(BLOCKS_OF_32)]]
+            values = gguf.quants.dequantize(t.data, t.tensor_type)
+            data = quantize.quantize(values, kind.name) if kind.name.startswith("IQ") else \
+                gguf.quants.quantize(values, kind)
         w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -57,11 +61,11 @@ def test_model_has_the_formats_meant(k_quant_model):
     kinds = {t.tensor_type.name for t in gguf.GGUFReader(k_quant_model).tensors if "ffn_down" in t.name}
     assert kinds == set(K_QUANTS)
     kinds = {t.tensor_type.name for t in gguf.GGUFReader(k_quant_model).tensors if "attn_v" in t.name}
-    assert kinds == {"Q5_0", "Q5_1"}
+    assert kinds == set(BLOCKS_OF_32)
 
 
 def test_k_quants_match_transformers(engine, k_quant_model):
-    """Token by token (decode steps: the dot4 matvecs of every packed layout, R2K to R6 among them) and a whole
+    """Token by token (decode steps: the dot4 matvecs of every packed layout, R2K to R6, R4NL, R4XS) and a whole
     prompt at once (the prefill gemms), within the f32 reference's bound."""
     steps, prompt = step_and_prompt_errors(engine, k_quant_model, (engine.tokenizer.encode(PROMPTS[0]) * 3)[:40])
     assert steps <= 1e-3

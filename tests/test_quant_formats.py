@@ -153,8 +153,8 @@ def test_interleaved_layouts_keep_odd_row_counts_in_the_file_format():
 
 def test_unsupported_format_is_named():
     from jitllm_core.errors import ModelFileError
-    with pytest.raises(ModelFileError, match="IQ4_NL is not supported"):
-        quant.get_format("IQ4_NL", 256, "model.gguf: tensor 'blk.0.attn_q.weight'")
+    with pytest.raises(ModelFileError, match="IQ2_XXS is not supported"):
+        quant.get_format("IQ2_XXS", 256, "model.gguf: tensor 'blk.0.attn_q.weight'")
     with pytest.raises(ModelFileError, match="not a multiple"):
         quant.get_format("Q4_K", 200, "model.gguf: tensor 'x'")
 
@@ -181,7 +181,7 @@ def test_cpu_prefill_matmul_tiles_every_step_length(cpu, tile):
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["interleaved", "file"])
-@pytest.mark.parametrize("name", ["F16", "Q8_0", "Q4_1", "Q5_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["F16", "Q8_0", "Q4_1", "Q5_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
 def test_cpu_prefill_matmul_matches_gguf(cpu, name, packed):
     """The prefill matmul (blocks of columns dequantized into scratch, multiplied by every token) against gguf's
     dequantized weights times the input in numpy: each layout a CPU holds, three slices of rows (a tile of 64

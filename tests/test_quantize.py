@@ -10,7 +10,7 @@ from jitllm_core import quantize as Q  # noqa: E402
 
 # RMS error relative to data RMS on standard normal data; llama.cpp's reference quantizers land just below
 BOUNDS = {"F32": 0.0, "F16": 5e-4, "BF16": 4e-3, "Q8_0": 0.006, "Q4_0": 0.095, "Q4_1": 0.085,
-          "Q2_K": 0.35, "Q3_K": 0.17, "Q4_K": 0.08, "Q5_K": 0.04, "Q6_K": 0.02}
+          "Q2_K": 0.35, "Q3_K": 0.17, "Q4_K": 0.08, "Q5_K": 0.04, "Q6_K": 0.02, "IQ4_NL": 0.085, "IQ4_XS": 0.085}
 
 
 def _data(rows, cols, seed=0):
@@ -45,7 +45,7 @@ def test_same_bytes_as_gguf_reference(type_name):
 def _implied(type_name, parts):
     """The values the scales and quants stand for, in the same float32 order as gguf computes them."""
     f = lambda a: a.astype(np.float32)  # noqa: E731
-    if type_name == "Q8_0":
+    if type_name in ("Q8_0", "IQ4_NL"):  # IQ4's q: the levels its codes stand for
         d, q = parts
         return f(q) * f(d)[:, None]
     if type_name == "Q4_0":
@@ -57,11 +57,12 @@ def _implied(type_name, parts):
     if type_name in ("Q2_K", "Q4_K", "Q5_K"):
         d, dmin, sc, mn, q = parts
         return ((f(d)[:, None] * f(sc))[..., None] * f(q) - (f(dmin)[:, None] * f(mn))[..., None]).reshape(len(q), -1)
-    d, sc, q = parts  # Q3_K, Q6_K
+    d, sc, q = parts  # Q3_K, Q6_K, IQ4_XS
     return ((f(d)[:, None] * f(sc))[..., None] * f(q)).reshape(len(q), -1)
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
+                                       "IQ4_XS"])
 def test_bytes_decode_to_exactly_the_parts(type_name):
     bs, _ = Q.BLOCK[type_name]
     x = _data(7, 1024, seed=3) * np.float32(0.02)
@@ -96,4 +97,4 @@ def test_rejects_bad_input():
     with pytest.raises(ValueError):
         Q.quantize(np.zeros(256, np.float32), "Q4_K")
     with pytest.raises(ValueError):
-        Q.quantize(np.zeros((2, 256), np.float32), "IQ4_NL")
+        Q.quantize(np.zeros((2, 256), np.float32), "IQ2_XXS")
