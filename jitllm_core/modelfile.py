@@ -28,6 +28,12 @@ class Config:
     bias: bool = False     # q, k, v biases (Qwen2)
     qk_norm: bool = False  # each head's query and key RMS-normed before the rope (Qwen3)
     rope_scaling: dict = field(default_factory=dict)
+    sliding_window: int = 0                       # keys a token sees, itself included (0: every earlier one)
+    full_layers: frozenset = frozenset()          # layers that see every key despite a sliding window
+
+    def window(self, layer):
+        """The sliding window of a layer's attention (0: none)."""
+        return 0 if layer in self.full_layers else self.sliding_window
 
     def check(self, where, keys):
         """Refuse values no model has (a zero head count, a NaN epsilon...), naming the file and the key each
@@ -96,13 +102,26 @@ def _hf_rope(where, c):
     return theta_key, _number(where, theta_key, 1e4 if theta is None else theta, float), scaling
 
 
-def _sliding_window(where, c):
-    """The positions a config.json's sliding-window attention sees whole (none: no limit): up to the window it
-    equals full attention, so the context is capped there rather than computed wrong beyond it."""
+def _sliding_window(where, c, n_layer):
+    """(config.json's sliding window: the keys a token sees, itself included (0: none), the layers that see every
+    key nonetheless): those its layer_types names "full_attention", else Qwen2's first max_window_layers (as
+    transformers reads them), else none."""
     window = c.get("sliding_window")
     if window is None or (c["model_type"] == "qwen2" and not c.get("use_sliding_window")):
-        return 1 << 62
-    return _number(where, "sliding_window", window, int)
+        return 0, frozenset()
+    window = _number(where, "sliding_window", window, int)
+    if window < 1:
+        raise ModelFileError(where, f"sliding_window is {window}; it must be at least 1")
+    types = c.get("layer_types")
+    if types is not None:
+        kinds = ("full_attention", "sliding_attention")
+        if not isinstance(types, list) or len(types) != n_layer or any(t not in kinds for t in types):
+            raise ModelFileError(where, f"layer_types must list {n_layer} of {' or '.join(map(repr, kinds))}")
+        return window, frozenset(i for i, t in enumerate(types) if t == "full_attention")
+    if c["model_type"] == "qwen2":
+        first = _number(where, "max_window_layers", c.get("max_window_layers", 28), int)
+        return window, frozenset(range(min(n_layer, first)))
+    return window, frozenset()
 
 
 def _refuse_unused(where, names):
@@ -278,9 +297,10 @@ class ModelFile(_Tensors):
             n_kv=need("num_key_value_heads", int, n_head),
             head_dim=need("head_dim", int, dim // n_head if n_head > 0 else 0),
             ffn=need("intermediate_size", int), vocab=need("vocab_size", int), eps=need("rms_norm_eps", float),
-            rope_base=theta, context=min(need("max_position_embeddings", int, 4096), _sliding_window(where, c)),
-            bias=c["model_type"] == "qwen2", qk_norm=c["model_type"] == "qwen3", rope_scaling=scaling)
+            rope_base=theta, context=need("max_position_embeddings", int, 4096), bias=c["model_type"] == "qwen2",
+            qk_norm=c["model_type"] == "qwen3", rope_scaling=scaling)
         cfg = self.config
+        cfg.sliding_window, cfg.full_layers = _sliding_window(where, c, cfg.n_layer)
         cfg.check(where, dict(n_layer="num_hidden_layers", dim="hidden_size", n_head="num_attention_heads",
                               n_kv="num_key_value_heads", head_dim="head_dim", ffn="intermediate_size",
                               vocab="vocab_size", eps="rms_norm_eps", rope_base=theta_key,

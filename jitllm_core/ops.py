@@ -424,14 +424,17 @@ SCORE_CHAINS = 8  # multiply-add chains of the scores of a KV head's group of he
 
 @functools.cache
 def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages: int, max_pages: int,
-              kv_dtype: str, wide=False) -> ir.Kernel:
+              kv_dtype: str, wide=False, window=0) -> ir.Kernel:
     """Causal attention of each new token over the layer's paged KV cache (K pages transposed, `_k_index`):
     scores for every position into a scratch row, softmax over the row (vectorizable), then the weighted sum of
     values. Page by page (a page's positions a vector of lanes), the heads that share a KV head in one parallel
     iteration, each key and value vector read (and widened from f16) once for all of them; or, wide (a device of
     many threads, whose lanes of a head outnumber a page's positions), a head an iteration, every position at
-    once and each value dimension over all of them."""
-    k = ir.Kernel(f"attn_{n_head}_{n_kv}x{head_dim}_T{T}_p{page}x{n_pages}_{kv_dtype}{'_wide' if wide else ''}")
+    once and each value dimension over all of them. window: a sliding window's width (0: none) -- a token at
+    position q sees the keys of (q - window, q], from their first page on, the positions before them in that
+    page scored out."""
+    k = ir.Kernel(f"attn_{n_head}_{n_kv}x{head_dim}_T{T}_p{page}x{n_pages}_{kv_dtype}{'_wide' if wide else ''}"
+                  f"{f'_w{window}' if window else ''}")
     qw, kw, ctx = n_head * head_dim, n_kv * head_dim, max_pages * page
     k.buffer("q", "f32", T * qw), k.buffer("ptab", "i32", max_pages)
     k.buffer("kc", kv_dtype, n_pages * page * kw), k.buffer("vc", kv_dtype, n_pages * page * kw)
@@ -443,18 +446,23 @@ def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages:
         with k.parallel("th", (n - t0) * n_head) as th:
             t, h = t0 + th // n_head, th % n_head
             qo, so, keys = t * qw + h * head_dim, (t * n_head + h) * ctx, pos + t + 1
-            with k.loop("j", keys, "vector") as j:
+            first = k.let("first", ir.vmax(keys - window, 0)) if window else 0  # the first key it sees
+            with k.loop("j", keys - first if window else keys, "vector", start=first) as j:
                 key = _k_index(k.load("ptab", j // page), j % page, h // group, 0, n_kv, head_dim, page)
                 k.store("s", so + j, _scores(k, [qo], key, page, head_dim, scale, 4)[0])
-            inv = _softmax(k, so, keys)
+            inv = _softmax(k, so, keys, first=first)
+            value = lambda j: k.load("s", so + j) * k.load(
+                "vc", _v_index(k.load("ptab", j // page), j % page, h // group, n_kv, head_dim, page) + d)
             with k.loop("d", head_dim, "vector") as d:
-                k.store("out", qo + d, ir.reduce("add", "j", keys, lambda j: k.load("s", so + j) * k.load(
-                    "vc", _v_index(k.load("ptab", j // page), j % page, h // group, n_kv, head_dim, page) + d))
-                        * inv)
+                sum_v = ir.reduce("add", "j", keys - first, lambda j: value(first + j)) if window else \
+                    ir.reduce("add", "j", keys, value)
+                k.store("out", qo + d, sum_v * inv)
         return k.finish()
     with k.parallel("tk", (n - t0) * n_kv) as tk:
         t, kvh = k.let("t", t0 + tk // n_kv), tk % n_kv
         keys, pages = pos + t + 1, (pos + t + page) // page
+        first = k.let("first", ir.vmax(keys - window, 0)) if window else 0  # the first key it sees ...
+        p0 = k.let("p0", first // page) if window else 0  # ... on its page: the pages before are not read
         # where each head's q and scores start
         heads = [(t * qw + (kvh * group + i) * head_dim, (t * n_head + kvh * group + i) * ctx) for i in range(group)]
 
@@ -463,7 +471,7 @@ def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages:
                 rows(k.let(f"ahead_{p.name}", k.load("ptab", ir.vmin(p + KV_AHEAD, pages - 1))))
         # scores, a lane per position: each dimension's keys one vector, each head's q a broadcast; positions past
         # the last key too (the softmax selects them out)
-        with k.loop("p", pages) as p:
+        with k.loop("p", pages - p0 if window else pages, start=p0) as p:
             pg = k.let("pg", k.load("ptab", p))
             prefetch(p, lambda pg: k.prefetch("kc", _k_index(pg, 0, kvh, 0, n_kv, head_dim, page), head_dim * page,
                                               near=False))
@@ -471,8 +479,10 @@ def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages:
                 key = _k_index(pg, slot, kvh, 0, n_kv, head_dim, page)
                 scores = _scores(k, [qo for qo, so in heads], key, page, head_dim, scale, max(1, SCORE_CHAINS // group))
                 for (qo, so), sc in zip(heads, scores):
-                    k.store("s", so + p * page + slot, sc)
-        invs = [_softmax(k, so, keys, pages * page, f"{i}") for i, (qo, so) in enumerate(heads)]
+                    # a window's first page: the positions before it scored out (their exponentials are 0)
+                    k.store("s", so + p * page + slot, ir.select(p * page + slot < first, OUT, sc) if window else sc)
+        invs = [_softmax(k, so, keys, pages * page, f"{i}", p0 * page if window else 0)
+                for i, (qo, so) in enumerate(heads)]
         for qo, so in heads:
             with k.loop("d", head_dim, "vector") as d:
                 k.store("out", qo + d, 0.0)
@@ -492,7 +502,7 @@ def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages:
                 k.prefetch("vc", _v_index(pg, slot, kvh, n_kv, head_dim, page), head_dim, near=False)
         # the pages before the last whole, unselected (a select of each loaded vector -- a masked load -- made the
         # 1B shape's attention in a 128-token prefill step at 2,944 positions 17-20 % slower)
-        with k.loop("vp", pages - 1) as p:
+        with k.loop("vp", pages - 1 - p0 if window else pages - 1, start=p0) as p:
             prefetch(p, value_rows)
             values(p, False)
         values(pages - 1, True)
@@ -519,17 +529,25 @@ def _scores(k, qos, key, stride, head_dim, scale, parts):
     return [k.let(f"sc{i}", sum(d[1:], d[0]) * scale) for i, d in enumerate(dots)]
 
 
-def _softmax(k, so, keys, end=None, name=""):
-    """Scores [so, so + keys) -> their exponentials less the largest (and zeros on to `end` where given: a
-    weighted sum over whole pages reads them); returns 1 / their sum."""
+OUT = -3.0e38  # the score of a position out of a sliding window: its exponential is 0
+
+
+def _softmax(k, so, keys, end=None, name="", first=0):
+    """Scores [so + first, so + keys) -> their exponentials less the largest (and zeros on to `end` where given: a
+    weighted sum over whole pages reads them); returns 1 / their sum. (first: 0, a number, or a sliding window's
+    first position read, an expression.)"""
     k.barrier()
-    m = k.let(f"m{name}", ir.reduce("max", "j", keys, lambda j: k.load("s", so + j), "reduce"))
+    if isinstance(first, int) and first == 0:  # written as before the windows came, so the same kernels
+        extent, at, end = keys, (lambda j: so + j), end
+    else:
+        extent, at, end = keys - first, (lambda j: so + first + j), None if end is None else end - first
+    m = k.let(f"m{name}", ir.reduce("max", "j", extent, lambda j: k.load("s", at(j)), "reduce"))
     k.barrier()
-    with k.loop("j", keys if end is None else end, "vector") as j:
-        e = exp(k.load("s", so + j) - m)
-        k.store("s", so + j, e if end is None else ir.select(j < keys, e, 0.0))
+    with k.loop("j", extent if end is None else end, "vector") as j:
+        e = exp(k.load("s", at(j)) - m)
+        k.store("s", at(j), e if end is None else ir.select(j < extent, e, 0.0))
     k.barrier()
-    return k.let(f"inv{name}", 1.0 / ir.reduce("add", "j", keys, lambda j: k.load("s", so + j), "reduce"))
+    return k.let(f"inv{name}", 1.0 / ir.reduce("add", "j", extent, lambda j: k.load("s", at(j)), "reduce"))
 
 
 @functools.cache

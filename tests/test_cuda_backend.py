@@ -267,7 +267,8 @@ def test_wide_row_dots_match_interpreter(name):
 
 
 @pytest.mark.skipif(not emu.available(), reason="no g++ for the host emulation")
-@pytest.mark.parametrize("name", ["attention_f16", "attention_wide", "head_rmsnorm"])
+@pytest.mark.parametrize("name", ["attention_f16", "attention_wide", "attention_window", "attention_wide_window",
+                                  "head_rmsnorm"])
 def test_attention_matches_interpreter(name):
     """Attention in both forms (the paged one, and the one GPUs get: a lane per position, then per dimension), and
     Qwen3's per-head norms of its queries and keys."""

@@ -427,12 +427,20 @@ def test_weights_the_architecture_does_not_read_are_refused(tmp_path):
             ModelFile(folder)
 
 
-def test_sliding_window_attention_caps_the_context(tmp_path):
-    """Up to its window, sliding-window attention is full attention: the context stops there."""
+def test_sliding_windows_of_a_config_json(tmp_path):
+    """(window, layers that see every key) as transformers reads them: Mistral's every layer; Qwen2's only with
+    use_sliding_window, from max_window_layers on; layer_types where the file lists them."""
+    from jitllm_core.errors import ModelFileError
     from jitllm_core.modelfile import _sliding_window
     where = tmp_path / "config.json"
-    assert _sliding_window(where, {"model_type": "mistral", "sliding_window": 4096}) == 4096
-    assert _sliding_window(where, {"model_type": "mistral", "sliding_window": None}) > 10 ** 9
+    assert _sliding_window(where, {"model_type": "mistral", "sliding_window": 4096}, 4) == (4096, frozenset())
+    assert _sliding_window(where, {"model_type": "mistral", "sliding_window": None}, 4) == (0, frozenset())
     off = {"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False}
-    assert _sliding_window(where, off) > 10 ** 9
-    assert _sliding_window(where, {"model_type": "qwen2", "sliding_window": 512, "use_sliding_window": True}) == 512
+    assert _sliding_window(where, off, 4) == (0, frozenset())
+    on = {"model_type": "qwen2", "sliding_window": 512, "use_sliding_window": True, "max_window_layers": 3}
+    assert _sliding_window(where, on, 4) == (512, frozenset({0, 1, 2}))
+    types = ["full_attention", "sliding_attention"] * 2
+    assert _sliding_window(where, {**on, "layer_types": types}, 4) == (512, frozenset({0, 2}))
+    for bad in ({**on, "layer_types": types[:3]}, {**on, "layer_types": ["global"] * 4}, {**on, "sliding_window": 0}):
+        with pytest.raises(ModelFileError):
+            _sliding_window(where, bad, 4)

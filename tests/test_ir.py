@@ -141,6 +141,11 @@ def op_examples():
         "attention_f16": (ops.attention(4, 2, 8, T, page, n_pages, n_pages, "f16"), {"pos": 2, "n_tokens": 2, "t0": 0}),
         "attention_wide": (ops.attention(4, 2, 8, T, page, n_pages, n_pages, "f16", wide=True),
                            {"pos": 5, "n_tokens": 3, "t0": 2}),
+        # a sliding window of 6: positions 13-15 see from 8-10 on (their third page, part of it scored out)
+        "attention_window": (ops.attention(4, 2, 8, T, page, n_pages, n_pages, "f16", window=6),
+                             {"pos": 13, "n_tokens": 3, "t0": 0}),
+        "attention_wide_window": (ops.attention(4, 2, 8, T, page, n_pages, n_pages, "f32", wide=True, window=6),
+                                  {"pos": 13, "n_tokens": 3, "t0": 1}),
         "silu_mul": (ops.silu_mul(16, T), {"n_tokens": 2, "t0": 1}),
     }
 
@@ -192,6 +197,34 @@ def test_wide_attention_is_the_same_op():
     want = interp.run(paged, {b: v.copy() for b, v in bufs.items()}, scalars)["out"]
     got = interp.run(wide, {b: v.copy() for b, v in bufs.items()}, scalars)["out"]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["paged", "wide"])
+@pytest.mark.parametrize("window", [5, 9, 64])
+def test_cpu_sliding_window_attention(cpu, wide, window):
+    """A token at position q attends to the keys of (q - window, q] (transformers' sliding window), computed in
+    NumPy from the pool in the sequence's order; the pages wholly before a window hold NaN and are not read."""
+    n_head, n_kv, hd, page, n_pages, T = 4, 2, 8, 4, 6, 3
+    pos, n, t0 = 17, 3, 1  # queries at positions 18, 19 (their windows start on the third page or later, or at 0)
+    k = ops.attention(n_head, n_kv, hd, T, page, n_pages, n_pages, "f32", wide=wide, window=window)
+    bufs = op_inputs(k)
+    where = np.argsort(bufs["ptab"])  # pool page -> the sequence's page it holds
+    kc = bufs["kc"].reshape(n_pages, n_kv, hd, page).transpose(0, 3, 1, 2)[bufs["ptab"]].reshape(-1, n_kv, hd)
+    vc = bufs["vc"].reshape(n_pages, page, n_kv, hd)[bufs["ptab"]].reshape(-1, n_kv, hd)
+    q = bufs["q"].reshape(T, n_head, hd)
+    want = np.zeros((T, n_head, hd))
+    for t in range(t0, n):
+        first = max(0, pos + t + 1 - window)
+        for h in range(n_head):
+            sc = kc[first:pos + t + 1, h // 2] @ q[t, h].astype(np.float64) / np.sqrt(hd)
+            w = np.exp(sc - sc.max())
+            want[t, h] = w @ vc[first:pos + t + 1, h // 2] / w.sum()
+    first_page = max(0, pos + t0 + 1 - window) // page
+    unread = where < first_page  # pool pages holding sequence pages before every query's window
+    bufs["kc"].reshape(n_pages, -1)[unread] = np.nan
+    bufs["vc"].reshape(n_pages, -1)[unread] = np.nan
+    got = run_on_device(cpu, k, bufs, {"pos": pos, "n_tokens": n, "t0": t0})["out"].reshape(T, n_head, hd)
+    np.testing.assert_allclose(got[t0:n], want[t0:n], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["paged", "wide"])

@@ -41,6 +41,10 @@ VARIANTS = {  # name -> (config class name, dtype saved, rope parameters[, shape
     "qwen2-f32": ("Qwen2Config", "float32", ROPE),  # attention biases on q, k, v
     "qwen3-f32": ("Qwen3Config", "float32", ROPE, QWEN3_HEADS),
     "mistral-f32": ("MistralConfig", "float32", ROPE),  # a sliding window (4096) past these prompts
+    # sliding windows these prompts pass: every layer's, and Qwen2's from its max_window_layers on
+    "mistral-window": ("MistralConfig", "float32", ROPE, {"sliding_window": 21}),
+    "qwen2-window": ("Qwen2Config", "float32", ROPE, {"sliding_window": 21, "use_sliding_window": True,
+                                                     "max_window_layers": 2}),
     # scaled rope: an original context of 64 positions scales most of the frequencies these prompts turn through
     "llama-rope-linear": ("LlamaConfig", "float32", {**ROPE, "rope_type": "linear", "factor": 4.0}),
     "llama-rope-llama3": ("LlamaConfig", "float32", {**ROPE, "rope_type": "llama3", "factor": 4.0,
