@@ -16,8 +16,10 @@ F = ir.f32
 
 
 @functools.cache
-def embed(fmt: Format, vocab: int, dim: int, T: int) -> ir.Kernel:
-    k = ir.Kernel(f"embed_{fmt.name}_{vocab}x{dim}_T{T}")
+def embed(fmt: Format, vocab: int, dim: int, T: int, scale=1.0) -> ir.Kernel:
+    """The tokens' rows of the embedding, times scale (Gemma's sqrt(dim))."""
+    k = ir.Kernel(f"embed_{fmt.name}_{vocab}x{dim}_T{T}{f'_x{scale:g}' if scale != 1.0 else ''}")
+    scaled = (lambda v: v * scale) if scale != 1.0 else (lambda v: v)
     k.w_read = lambda n_tokens: n_tokens * fmt.row_units(dim)
     k.buffer("tok", "i32", T), k.buffer("w", fmt.storage, vocab * fmt.row_units(dim))
     k.buffer("x", "f32", T * dim, True)
@@ -28,7 +30,7 @@ def embed(fmt: Format, vocab: int, dim: int, T: int) -> ir.Kernel:
             t, b = tb // nb, tb % nb
             row = k.let("row", k.load("tok", t))
             for e, v in fmt.values(k, "w", row // ROWS, row % ROWS, dim, b):
-                k.store("x", t * dim + b * fmt.block + e, v)
+                k.store("x", t * dim + b * fmt.block + e, scaled(v))
         return k.finish()
     with k.parallel("tbg", n * nb * fmt.groups) as tbg:
         tb, g = (tbg, 0) if fmt.groups == 1 else (tbg // fmt.groups, tbg % fmt.groups)
@@ -36,7 +38,7 @@ def embed(fmt: Format, vocab: int, dim: int, T: int) -> ir.Kernel:
         base = (k.load("tok", t) * nb + b) * fmt.unit
         with k.loop("l", fmt.lanes, "vector") as l:
             for j, w in fmt.terms(k, "w", base, g, l):
-                k.store("x", t * dim + b * fmt.block + j, w)
+                k.store("x", t * dim + b * fmt.block + j, scaled(w))
     return k.finish()
 
 
@@ -424,7 +426,7 @@ SCORE_CHAINS = 8  # multiply-add chains of the scores of a KV head's group of he
 
 @functools.cache
 def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages: int, max_pages: int,
-              kv_dtype: str, wide=False, window=0) -> ir.Kernel:
+              kv_dtype: str, wide=False, window=0, scale=None, softcap=0.0) -> ir.Kernel:
     """Causal attention of each new token over the layer's paged KV cache (K pages transposed, `_k_index`):
     scores for every position into a scratch row, softmax over the row (vectorizable), then the weighted sum of
     values. Page by page (a page's positions a vector of lanes), the heads that share a KV head in one parallel
@@ -432,15 +434,17 @@ def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages:
     many threads, whose lanes of a head outnumber a page's positions), a head an iteration, every position at
     once and each value dimension over all of them. window: a sliding window's width (0: none) -- a token at
     position q sees the keys of (q - window, q], from their first page on, the positions before them in that
-    page scored out."""
+    page scored out. scale: of the scores (None: 1 / sqrt(head_dim)); softcap: scores -> softcap * tanh(scores /
+    softcap) (Gemma 2's; 0: none)."""
     k = ir.Kernel(f"attn_{n_head}_{n_kv}x{head_dim}_T{T}_p{page}x{n_pages}_{kv_dtype}{'_wide' if wide else ''}"
-                  f"{f'_w{window}' if window else ''}")
+                  f"{f'_w{window}' if window else ''}{f'_s{scale:g}' if scale else ''}"
+                  f"{f'_cap{softcap:g}' if softcap else ''}")
     qw, kw, ctx = n_head * head_dim, n_kv * head_dim, max_pages * page
     k.buffer("q", "f32", T * qw), k.buffer("ptab", "i32", max_pages)
     k.buffer("kc", kv_dtype, n_pages * page * kw), k.buffer("vc", kv_dtype, n_pages * page * kw)
     k.buffer("s", "f32", T * n_head * ctx, True), k.buffer("out", "f32", T * qw, True)
     pos, n, t0 = k.scalar("pos"), k.scalar("n_tokens"), k.scalar("t0")  # queries from t0, the first wanted
-    scale = 1.0 / math.sqrt(head_dim)
+    scale = scale or 1.0 / math.sqrt(head_dim)
     group = n_head // n_kv
     if wide:
         with k.parallel("th", (n - t0) * n_head) as th:
@@ -449,7 +453,7 @@ def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages:
             first = k.let("first", ir.vmax(keys - window, 0)) if window else 0  # the first key it sees
             with k.loop("j", keys - first if window else keys, "vector", start=first) as j:
                 key = _k_index(k.load("ptab", j // page), j % page, h // group, 0, n_kv, head_dim, page)
-                k.store("s", so + j, _scores(k, [qo], key, page, head_dim, scale, 4)[0])
+                k.store("s", so + j, _scores(k, [qo], key, page, head_dim, scale, 4, softcap)[0])
             inv = _softmax(k, so, keys, first=first)
             value = lambda j: k.load("s", so + j) * k.load(
                 "vc", _v_index(k.load("ptab", j // page), j % page, h // group, n_kv, head_dim, page) + d)
@@ -477,7 +481,8 @@ def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages:
                                               near=False))
             with k.loop("slot", page, "vector") as slot:
                 key = _k_index(pg, slot, kvh, 0, n_kv, head_dim, page)
-                scores = _scores(k, [qo for qo, so in heads], key, page, head_dim, scale, max(1, SCORE_CHAINS // group))
+                scores = _scores(k, [qo for qo, so in heads], key, page, head_dim, scale, max(1, SCORE_CHAINS // group),
+                                 softcap)
                 for (qo, so), sc in zip(heads, scores):
                     # a window's first page: the positions before it scored out (their exponentials are 0)
                     k.store("s", so + p * page + slot, ir.select(p * page + slot < first, OUT, sc) if window else sc)
@@ -521,12 +526,13 @@ def _dots(k, qo, key, stride, head_dim, parts=4, name=""):
                                            * k.load("kc", key + (i * span + d) * stride))) for i in range(parts)]
 
 
-def _scores(k, qos, key, stride, head_dim, scale, parts):
-    """Lets of q . key * scale of the heads whose q start at qos against one key, each in `parts` chains: every
-    head's sums first, one after another, so that a CPU sums them in one loop, each key vector loaded (and widened
-    from f16) once for all."""
+def _scores(k, qos, key, stride, head_dim, scale, parts, softcap=0.0):
+    """Lets of q . key * scale (capped: `attention`) of the heads whose q start at qos against one key, each in
+    `parts` chains: every head's sums first, one after another, so that a CPU sums them in one loop, each key
+    vector loaded (and widened from f16) once for all."""
     dots = [_dots(k, qo, key, stride, head_dim, parts, f"{i}_") for i, qo in enumerate(qos)]
-    return [k.let(f"sc{i}", sum(d[1:], d[0]) * scale) for i, d in enumerate(dots)]
+    capped = (lambda s: ir.Un("tanh", s * (1.0 / softcap)) * softcap) if softcap else (lambda s: s)
+    return [k.let(f"sc{i}", capped(sum(d[1:], d[0]) * scale)) for i, d in enumerate(dots)]
 
 
 OUT = -3.0e38  # the score of a position out of a sliding window: its exponential is 0
@@ -548,6 +554,50 @@ def _softmax(k, so, keys, end=None, name="", first=0):
         k.store("s", at(j), e if end is None else ir.select(j < extent, e, 0.0))
     k.barrier()
     return k.let(f"inv{name}", 1.0 / ir.reduce("add", "j", extent, lambda j: k.load("s", at(j)), "reduce"))
+
+
+GELU_C = math.sqrt(2.0 / math.pi)
+
+
+@functools.cache
+def gelu_mul(dim: int, T: int) -> ir.Kernel:
+    """h = gelu(g) * u, GELU in its tanh form (Gemma's gelu_pytorch_tanh), for the tokens from t0."""
+    k = ir.Kernel(f"gelu_mul_{dim}_T{T}")
+    k.buffer("g", "f32", T * dim), k.buffer("u", "f32", T * dim), k.buffer("h", "f32", T * dim, True)
+    n, t0 = k.scalar("n_tokens"), k.scalar("t0")
+    with k.parallel("j", n - t0) as j:
+        t = t0 + j
+        with k.loop("i", dim, "vector") as i:
+            g = k.load("g", t * dim + i)
+            gelu = 0.5 * g * (1.0 + ir.Un("tanh", GELU_C * (g + 0.044715 * g * g * g)))
+            k.store("h", t * dim + i, gelu * k.load("u", t * dim + i))
+    return k.finish()
+
+
+@functools.cache
+def add(dim: int, T: int) -> ir.Kernel:
+    """x += y for the tokens from t0: a normed output joining the residual (Gemma's sandwich norms)."""
+    k = ir.Kernel(f"add_{dim}_T{T}")
+    k.buffer("y", "f32", T * dim), k.buffer("x", "f32", T * dim, True)
+    n, t0 = k.scalar("n_tokens"), k.scalar("t0")
+    with k.parallel("j", n - t0) as j:
+        with k.loop("i", dim, "vector") as i:
+            at = (t0 + j) * dim + i
+            k.store("x", at, k.load("x", at) + k.load("y", at))
+    return k.finish()
+
+
+@functools.cache
+def softcap(dim: int, T: int, cap: float) -> ir.Kernel:
+    """x -> cap * tanh(x / cap) in place for the tokens from t0 (Gemma 2's final logits)."""
+    k = ir.Kernel(f"softcap_{dim}_T{T}_{cap:g}")
+    k.buffer("x", "f32", T * dim, True)
+    n, t0 = k.scalar("n_tokens"), k.scalar("t0")
+    with k.parallel("j", n - t0) as j:
+        with k.loop("i", dim, "vector") as i:
+            at = (t0 + j) * dim + i
+            k.store("x", at, ir.Un("tanh", k.load("x", at) * (1.0 / cap)) * cap)
+    return k.finish()
 
 
 @functools.cache

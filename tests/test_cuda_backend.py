@@ -268,6 +268,7 @@ def test_wide_row_dots_match_interpreter(name):
 
 @pytest.mark.skipif(not emu.available(), reason="no g++ for the host emulation")
 @pytest.mark.parametrize("name", ["attention_f16", "attention_wide", "attention_window", "attention_wide_window",
+                                  "attention_softcap", "attention_wide_softcap", "gelu_mul", "softcap",
                                   "head_rmsnorm"])
 def test_attention_matches_interpreter(name):
     """Attention in both forms (the paged one, and the one GPUs get: a lane per position, then per dimension), and

@@ -147,6 +147,15 @@ def op_examples():
         "attention_wide_window": (ops.attention(4, 2, 8, T, page, n_pages, n_pages, "f32", wide=True, window=6),
                                   {"pos": 13, "n_tokens": 3, "t0": 1}),
         "silu_mul": (ops.silu_mul(16, T), {"n_tokens": 2, "t0": 1}),
+        # Gemma's: GELU (tanh form), a normed output joining the residual, capped logits and scores, scaled rows
+        "gelu_mul": (ops.gelu_mul(16, T), {"n_tokens": 3, "t0": 1}),
+        "add": (ops.add(16, T), {"n_tokens": 3, "t0": 1}),
+        "softcap": (ops.softcap(16, T, 3.0), {"n_tokens": 2, "t0": 1}),
+        "attention_softcap": (ops.attention(4, 2, 8, T, page, n_pages, n_pages, "f32", scale=0.25, softcap=2.0),
+                              {"pos": 5, "n_tokens": 3, "t0": 1}),
+        "attention_wide_softcap": (ops.attention(4, 2, 8, T, page, n_pages, n_pages, "f32", wide=True, scale=0.25,
+                                                 softcap=2.0), {"pos": 5, "n_tokens": 3, "t0": 0}),
+        "embed_scaled": (ops.embed(quant.FORMATS["Q8_0"], 5, 64, T, scale=8.0), {"n_tokens": 2}),
     }
 
 
@@ -167,6 +176,26 @@ def op_inputs(k):
         if name in bufs and not k.buffers[name].write:
             bufs[name] = rng.standard_normal(bufs[name].size).astype(bufs[name].dtype)
     return bufs
+
+
+def test_gemma_elementwise_ops(cpu):
+    """GELU in its tanh form times the up projection (torch's gelu(approximate="tanh")), the capped logits and the
+    residual join, for the tokens from t0 only."""
+    torch = pytest.importorskip("torch")
+    T, dim, cap = 4, 24, 3.0
+    rng = np.random.default_rng(5)
+    g, u, x = (rng.standard_normal((T, dim)).astype(np.float32) * 3 for _ in range(3))
+    h = run_on_device(cpu, ops.gelu_mul(dim, T), {"g": g.ravel(), "u": u.ravel(), "h": np.zeros(T * dim, np.float32)},
+                      {"n_tokens": T, "t0": 1})["h"].reshape(T, dim)
+    want = torch.nn.functional.gelu(torch.from_numpy(g), approximate="tanh").numpy() * u
+    np.testing.assert_allclose(h[1:], want[1:], rtol=1e-5, atol=1e-5)
+    assert not h[0].any()
+    capped = run_on_device(cpu, ops.softcap(dim, T, cap), {"x": x.ravel().copy()}, {"n_tokens": 3, "t0": 1})["x"]
+    want = x.copy()
+    want[1:3] = np.tanh(x[1:3] / cap) * cap
+    np.testing.assert_allclose(capped.reshape(T, dim), want, rtol=1e-5, atol=1e-6)
+    summed = run_on_device(cpu, ops.add(dim, T), {"y": g.ravel(), "x": x.ravel().copy()}, {"n_tokens": T, "t0": 2})["x"]
+    np.testing.assert_array_equal(summed.reshape(T, dim), np.concatenate([x[:2], x[2:] + g[2:]]))
 
 
 def test_head_rmsnorm_normalizes_each_head(cpu):
