@@ -16,7 +16,7 @@ import numpy as np
 from . import faults, ir, ops, quant, registry, tuning
 from .errors import ContextLimitError, JitllmError, check_whole, is_whole
 from .kvcache import PagePool, Sequence
-from .llama import Llama, interleaves, rope_table
+from .llama import Llama, interleaves
 from .memory import Arena
 from .modelfile import ModelFile
 from .models import default_model_path
@@ -54,7 +54,7 @@ class Result:
 class DeviceState:
     """What one device holds for this engine: per-device activations, constants and resident weights."""
 
-    def __init__(self, arena, model: Llama, rope):
+    def __init__(self, arena, model: Llama, constants):
         self.arena, self.dev = arena, arena.dev
         self.acts, self.consts = {}, {}
         self.weights = {}   # tensor name -> [Buffer, users]
@@ -62,11 +62,13 @@ class DeviceState:
         try:
             for n, (dt, size) in model.activations().items():
                 self.acts[n] = arena.alloc(max(4, size * ir.STORAGE_DTYPES[dt]))
-            self.consts["rope"] = arena.alloc(rope.nbytes)
+            for name, data in constants.items():
+                self.consts[name] = arena.alloc(data.nbytes)
         except Exception:
             self.release()
             raise
-        self.dev.upload(self.consts["rope"], rope)
+        for name, data in constants.items():
+            self.dev.upload(self.consts[name], data)
 
     def release(self):
         """Free everything this device holds for the engine."""
@@ -118,7 +120,7 @@ class Engine:
         self.kv_dtype = kv_dtype
         n_pages = -(-self.max_context // PAGE)
         self.model = Llama(self.mf, STEP_TOKENS, PAGE, n_pages, kv_dtype, ACTIVATION_DIGITS[activations])
-        self.rope = rope_table(self.mf.rope_freqs(), self.model.positions)
+        self.constants = self.model.constants_data()  # the rope tables
         self.devices = self._pick_devices(devices, threads)
         caps = {self._device_name(k): v for k, v in (mem or {}).items()}
         self.arenas = {n: Arena(d, caps.get(n)) for n, d in self.devices.items()}
@@ -176,7 +178,7 @@ class Engine:
 
     def _state(self, dev_name):
         if dev_name not in self.dev_state:
-            self.dev_state[dev_name] = DeviceState(self.arenas[dev_name], self.model, self.rope)
+            self.dev_state[dev_name] = DeviceState(self.arenas[dev_name], self.model, self.constants)
         return self.dev_state[dev_name]
 
     def _load_weights(self, unit, dev_name):

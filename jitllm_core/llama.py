@@ -106,6 +106,7 @@ class Llama:
         return {"tok": ("i32", T), "x": ("f32", T * c.dim), "xn": ("f32", T * c.dim), "q": ("f32", T * q),
                 "k": ("f32", T * kv), "v": ("f32", T * kv), "att": ("f32", T * q), "g": ("f32", T * c.ffn),
                 "u": ("f32", T * c.ffn), "h": ("f32", T * c.ffn), "logits": ("f32", T * c.vocab),
+                **({"y": ("f32", T * c.dim)} if c.sandwich else {}),  # an output before its norm joins x
                 "scores": ("f32", T * c.n_head * self.n_pages * self.page),
                 # the prefill matmuls' scratch: blocks of a layer matrix, dequantized (a column chunk's are no wider)
                 "wdq": ("f32", max((ops.prefill_scratch(self.fmt(name, shape), *shape, T)
@@ -117,8 +118,19 @@ class Llama:
     def activation_bytes(self):
         """What every device that runs a unit holds besides the units: activations, constants (the rope table),
         a margin."""
-        rope = self.positions * self.cfg.head_dim * 4  # rope_table's cos and sin, f32
+        rope = self.positions * self.cfg.head_dim * 4 * len(self.rope_tables())  # rope_table's cos and sin, f32
         return sum(size * ir.STORAGE_DTYPES[dt] for dt, size in self.activations().values()) + rope + (1 << 20)
+
+    def rope_tables(self):
+        """The constants the rope launches read ("c:<name>"): each position's cosines and sines (`rope_table`), and
+        the sliding-window layers' own where their base differs (Gemma 3's)."""
+        tables = {"rope": lambda: self.mf.rope_freqs()}
+        if self.cfg.local_rope_base:
+            tables["rope_local"] = lambda: self.mf.rope_freqs(local=True)
+        return tables
+
+    def constants_data(self):
+        return {name: rope_table(freqs(), self.positions) for name, freqs in self.rope_tables().items()}
 
     def weight_shapes(self, unit):
         """tensor name -> (shape, True if read as f32 constant data rather than by a matmul)"""
@@ -138,6 +150,8 @@ class Llama:
                       p + "attn_v.bias": ((kv,), True)})
         if c.qk_norm:
             w.update({p + n: ((c.head_dim,), True) for n in ("attn_q_norm.weight", "attn_k_norm.weight")})
+        if c.sandwich:
+            w.update({p + n: ((c.dim,), True) for n in ("post_attention_norm.weight", "post_ffw_norm.weight")})
         return w
 
     def host_data(self, name, unit, keep=False, interleave=True):
@@ -231,14 +245,16 @@ class Llama:
         norm = ops.rmsnorm(c.dim, T, c.eps, not interleave)
         if unit == "embed":
             fmt = self.fmt("token_embd.weight", (c.vocab, c.dim), interleave)
-            return [LaunchTemplate(ops.embed(fmt, c.vocab, c.dim, T),
+            return [LaunchTemplate(ops.embed(fmt, c.vocab, c.dim, T, c.embed_scale),
                                    {"tok": "a:tok", "w": "w:token_embd.weight", "x": "a:x"})]
         if unit == "head":
             # the LM head is a decode matmul in every step (only the step's last tokens are wanted)
             return [LaunchTemplate(norm, {"x": "a:x", "w": "w:output_norm.weight", "out": "a:xn"}),
                     *self._inputs("xn", c.dim, unit, [self.head_tensor], interleave=interleave),
                     *self._mm(self.head_tensor, "xn", "logits", c.vocab, c.dim, logits=True, interleave=interleave,
-                              scalars={})]
+                              scalars={}),
+                    *([LaunchTemplate(ops.softcap(c.vocab, T, c.final_softcap), {"x": "a:logits"})]
+                      if c.final_softcap else [])]
         p, q, kv = f"blk.{unit}.", c.n_head * c.head_dim, c.n_kv * c.head_dim
         b = (lambda n: p + n + ".bias") if c.bias else (lambda n: None)
         cache = dict(page=self.page, n_pages=self.n_pages, max_pages=self.n_pages, kv_dtype=self.kv_dtype)
@@ -254,6 +270,18 @@ class Llama:
             ops.head_rmsnorm(heads, c.head_dim, T, c.eps), {"q": f"a:{x}", "w": f"w:{p}{w}.weight"}, scalars)
         qk_norms = [norm_heads("q", c.n_head, "attn_q_norm", only_wanted),
                     norm_heads("k", c.n_kv, "attn_k_norm", EVERY_TOKEN)] if c.qk_norm else []
+        window = c.window(unit)
+        rot = "c:rope_local" if window and c.local_rope_base else "c:rope"
+
+        def joined(name, y, rows, cols):
+            """The matmul of weight `name` by y added into x; with sandwich norms, normed first (into y, xn)."""
+            if not c.sandwich:
+                return mm_wanted(p + name + ".weight", y, "x", rows, cols, acc=True)
+            post = "post_attention_norm" if name == "attn_output" else "post_ffw_norm"
+            return [*mm_wanted(p + name + ".weight", y, "y", rows, cols),
+                    LaunchTemplate(norm, {"x": "a:y", "w": f"w:{p}{post}.weight", "out": "a:xn"}, only_wanted),
+                    LaunchTemplate(ops.add(c.dim, T), {"y": "a:xn", "x": "a:x"}, only_wanted)]
+        act = ops.gelu_mul if c.act == "gelu_tanh" else ops.silu_mul
         return [
             LaunchTemplate(norm, {"x": "a:x", "w": f"w:{p}attn_norm.weight", "out": "a:xn"}, EVERY_TOKEN),
             *inputs("xn", c.dim, "attn_q", "attn_k", "attn_v"),
@@ -261,23 +289,21 @@ class Llama:
             *mm(p + "attn_k.weight", "xn", "k", kv, c.dim, bias=b("attn_k")),
             *mm(p + "attn_v.weight", "xn", "v", kv, c.dim, bias=b("attn_v")),
             *qk_norms,
-            LaunchTemplate(ops.rope(c.n_head, c.head_dim, T, self.positions), {"q": "a:q", "rot": "c:rope"},
-                           only_wanted),
-            LaunchTemplate(ops.rope(c.n_kv, c.head_dim, T, self.positions), {"q": "a:k", "rot": "c:rope"},
-                           EVERY_TOKEN),
+            LaunchTemplate(ops.rope(c.n_head, c.head_dim, T, self.positions), {"q": "a:q", "rot": rot}, only_wanted),
+            LaunchTemplate(ops.rope(c.n_kv, c.head_dim, T, self.positions), {"q": "a:k", "rot": rot}, EVERY_TOKEN),
             LaunchTemplate(ops.kv_store(c.n_kv, c.head_dim, T, **cache), {"k": "a:k", "v": "a:v", **kvb}),
             LaunchTemplate(ops.attention(c.n_head, c.n_kv, c.head_dim, T, **cache, wide=not interleave,
-                                         window=c.window(unit)),
+                                         window=window, scale=c.attn_scale or None, softcap=c.attn_softcap),
                            {"q": "a:q", "s": "a:scores", "out": "a:att", **kvb}, only_wanted),
             *inputs("att", q, "attn_output"),
-            *mm_wanted(p + "attn_output.weight", "att", "x", c.dim, q, acc=True),
+            *joined("attn_output", "att", c.dim, q),
             LaunchTemplate(norm, {"x": "a:x", "w": f"w:{p}ffn_norm.weight", "out": "a:xn"}, only_wanted),
             *inputs("xn", c.dim, "ffn_gate", "ffn_up"),
             *mm_wanted(p + "ffn_gate.weight", "xn", "g", c.ffn, c.dim),
             *mm_wanted(p + "ffn_up.weight", "xn", "u", c.ffn, c.dim),
-            LaunchTemplate(ops.silu_mul(c.ffn, T), {"g": "a:g", "u": "a:u", "h": "a:h"}, only_wanted),
+            LaunchTemplate(act(c.ffn, T), {"g": "a:g", "u": "a:u", "h": "a:h"}, only_wanted),
             *inputs("h", c.ffn, "ffn_down"),
-            *mm_wanted(p + "ffn_down.weight", "h", "x", c.dim, c.ffn, acc=True),
+            *joined("ffn_down", "h", c.dim, c.ffn),
         ]
 
     def page_bytes(self):

@@ -31,6 +31,15 @@ class Config:
     sliding_window: int = 0                       # keys a token sees, itself included (0: every earlier one)
     full_layers: frozenset = frozenset()          # layers that see every key despite a sliding window
 
+    # Gemma 2 and 3's
+    embed_scale: float = 1.0      # the embedding rows times this (Gemma: sqrt(dim), as an f32)
+    act: str = "silu"             # the MLP gate's activation: "silu" or "gelu_tanh"
+    sandwich: bool = False        # attention and MLP outputs RMS-normed before they join the residual
+    attn_scale: float = 0.0       # the scores' scale (0: 1 / sqrt(head_dim))
+    attn_softcap: float = 0.0     # scores -> cap * tanh(scores / cap) (0: none)
+    final_softcap: float = 0.0    # logits -> cap * tanh(logits / cap) (0: none)
+    local_rope_base: float = 0.0  # the sliding-window layers' rope base, unscaled, where it differs (0: the same)
+
     def window(self, layer):
         """The sliding window of a layer's attention (0: none)."""
         return 0 if layer in self.full_layers else self.sliding_window
@@ -91,15 +100,30 @@ def _rope_scaling(where, key, s):
 
 def _hf_rope(where, c):
     """(the key of rope theta, its value, the rope scaling) from a config.json: transformers 5 writes theta and the
-    scaling into one rope_parameters table, earlier versions rope_theta and rope_scaling at the top."""
+    scaling into one rope_parameters table (Gemma 3's: one per layer type, the full layers' here), earlier versions
+    rope_theta and rope_scaling at the top."""
     key = "rope_parameters" if "rope_parameters" in c else "rope_scaling"
     table = c.get(key) or {}
+    if isinstance(table, dict) and "full_attention" in table:
+        key, table = f"{key}.full_attention", table["full_attention"]
     scaling = _rope_scaling(where, key, table)  # also refuses a table that is not one
-    if key == "rope_parameters":
-        theta_key, theta = "rope_parameters.rope_theta", table.get("rope_theta")
+    if key.startswith("rope_parameters"):
+        theta_key, theta = f"{key}.rope_theta", table.get("rope_theta")
     else:
         theta_key, theta = "rope_theta", c.get("rope_theta")
     return theta_key, _number(where, theta_key, 1e4 if theta is None else theta, float), scaling
+
+
+def _hf_local_rope_base(where, c):
+    """Gemma 3's sliding-window layers' rope base (unscaled): transformers 5's rope_parameters.sliding_attention, or
+    rope_local_base_freq (None: not given)."""
+    local = (c.get("rope_parameters") or {}).get("sliding_attention")
+    if local is not None:
+        if _rope_scaling(where, "rope_parameters.sliding_attention", local):
+            raise ModelFileError(where, "rope_parameters.sliding_attention: a scaled local rope is not supported")
+        return _number(where, "rope_parameters.sliding_attention.rope_theta", local.get("rope_theta", 1e4), float)
+    base = c.get("rope_local_base_freq")
+    return None if base is None else _number(where, "rope_local_base_freq", base, float)
 
 
 def _sliding_window(where, c, n_layer):
@@ -134,9 +158,30 @@ def _refuse_unused(where, names):
                                     "so this model is not supported")
 
 
-GGUF_ARCHS = ("llama", "qwen2", "qwen3")
-HALVES_ARCHS = ("qwen2", "qwen3")  # GGUF architectures whose query and key rows rotate halves (`_rope_pairs`)
-HF_TYPES = ("llama", "qwen2", "qwen3", "mistral")  # config.json model_type
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+# GGUF architectures whose query and key rows rotate halves (`_rope_pairs`)
+HALVES_ARCHS = ("qwen2", "qwen3", "gemma2", "gemma3")
+HF_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text")  # config.json model_type
+# Gemma's layers that see every key, one in this many (the last of each run), where a file does not list them
+GEMMA_FULL_EVERY = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
+GEMMA_LOCAL_ROPE_BASE = 10000.0  # Gemma 3's sliding-window layers' rope base where a file does not say it
+
+
+def _gemma(cfg, kind, attn_softcap=0.0, final_softcap=0.0, query_scalar=None, local_rope_base=None):
+    """Gemma 2 / 3's features on a Config: scaled embeddings, GELU, sandwich norms, Gemma 3's per-head norms and
+    local rope base, Gemma 2's caps."""
+    cfg.embed_scale = float(np.float32(math.sqrt(cfg.dim)))
+    cfg.act, cfg.sandwich, cfg.qk_norm = "gelu_tanh", True, kind.startswith("gemma3")
+    cfg.attn_softcap, cfg.final_softcap = float(attn_softcap or 0.0), float(final_softcap or 0.0)
+    if query_scalar and query_scalar != cfg.head_dim:
+        cfg.attn_scale = query_scalar ** -0.5
+    if cfg.qk_norm:
+        cfg.local_rope_base = local_rope_base or GEMMA_LOCAL_ROPE_BASE
+
+
+def _full_every(n_layer, k):
+    """The layers that see every key when one in k does (the last of each run of k)."""
+    return frozenset(i for i in range(n_layer) if (i + 1) % k == 0)
 
 
 @dataclass
@@ -207,6 +252,13 @@ class ModelFile(_Tensors):
             ffn=f"{arch}.feed_forward_length", vocab="the rows of token_embd.weight",
             eps=f"{arch}.attention.layer_norm_rms_epsilon", rope_base=f"{arch}.rope.freq_base",
             context=f"{arch}.context_length"))
+        if arch.startswith("gemma"):
+            # llama.cpp scales the scores of its 27B Gemmas by the embedding per head, not the head size
+            big = (arch, self.config.n_layer) in (("gemma2", 46), ("gemma3", 62))
+            _gemma(self.config, arch, p("attn_logit_softcapping", float, 0.0), p("final_logit_softcapping", float, 0.0),
+                   dim / n_head if big else None)
+            self.config.sliding_window = p("attention.sliding_window", int, 0)
+            self.config.full_layers = _full_every(self.config.n_layer, GEMMA_FULL_EVERY[arch])
         self.tensors = {n: Tensor(n, t.shape, t.type_name, (lambda n=n: g.raw(n))) for n, t in g.tensors.items()}
         _refuse_unused(self.path, set(g.tensors) - self.tensor_names())
         if arch in HALVES_ARCHS:
@@ -248,6 +300,8 @@ class ModelFile(_Tensors):
                 names.update(f"blk.{i}.{g}.bias" for g in ("attn_q", "attn_k", "attn_v"))
             if cfg.qk_norm:
                 names.update(f"blk.{i}.{g}.weight" for g in self.HF_QK_NORMS)
+            if cfg.sandwich:
+                names.update(f"blk.{i}.{g}.weight" for g in ("post_attention_norm", "post_ffw_norm"))
         return names
 
     def _rope_pairs(self):
@@ -270,6 +324,9 @@ class ModelFile(_Tensors):
                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                 "ffn_down": "mlp.down_proj"}
     HF_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+    # Gemma's: its post_attention_layernorm norms the attention's output (a llama's is the MLP's input norm)
+    HF_SANDWICH = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                   "post_ffw_norm": "post_feedforward_layernorm"}
 
     def _open_hf(self):
         from .safetensors import SafetensorsFolder
@@ -288,8 +345,10 @@ class ModelFile(_Tensors):
             return v if kind is None else _number(where, key, v, kind)
         if need("model_type") not in HF_TYPES:
             raise ModelFileError(where, f"model_type {c['model_type']!r} is not supported")
-        if c.get("hidden_act", "silu") not in ("silu", "swish"):
-            raise ModelFileError(where, f"hidden_act {c['hidden_act']!r} is not supported (silu)")
+        gemma = c["model_type"].startswith("gemma")
+        act_key, acts = ("hidden_activation", ("gelu_pytorch_tanh",)) if gemma else ("hidden_act", ("silu", "swish"))
+        if c.get(act_key, acts[0]) not in acts:
+            raise ModelFileError(where, f"{act_key} {c[act_key]!r} is not supported ({', '.join(acts)})")
         n_head, dim = need("num_attention_heads", int), need("hidden_size", int)
         theta_key, theta, scaling = _hf_rope(where, c)
         self.config = Config(
@@ -301,6 +360,13 @@ class ModelFile(_Tensors):
             qk_norm=c["model_type"] == "qwen3", rope_scaling=scaling)
         cfg = self.config
         cfg.sliding_window, cfg.full_layers = _sliding_window(where, c, cfg.n_layer)
+        if gemma:
+            caps = [need(key, float, 0.0) for key in ("attn_logit_softcapping", "final_logit_softcapping")]
+            _gemma(cfg, c["model_type"], *caps, need("query_pre_attn_scalar", float, cfg.head_dim),
+                   _hf_local_rope_base(where, c))
+            if c.get("layer_types") is None:  # older files: one layer in sliding_window_pattern sees every key
+                every = c.get("sliding_window_pattern", GEMMA_FULL_EVERY[c["model_type"]])
+                cfg.full_layers = _full_every(cfg.n_layer, _number(where, "sliding_window_pattern", every, int))
         cfg.check(where, dict(n_layer="num_hidden_layers", dim="hidden_size", n_head="num_attention_heads",
                               n_kv="num_key_value_heads", head_dim="head_dim", ffn="intermediate_size",
                               vocab="vocab_size", eps="rms_norm_eps", rope_base=theta_key,
@@ -311,12 +377,16 @@ class ModelFile(_Tensors):
             t = st.tensors.get(hf_name)
             if t is not None:
                 used.add(hf_name)
-                self.tensors[gguf_name] = Tensor(gguf_name, t.shape, t.type_name, lambda t=t: st.raw(t.name))
+                raw, kind = (lambda t=t: st.raw(t.name)), t.type_name
+                if gemma and gguf_name.endswith("norm.weight"):  # Gemma's norms scale by 1 + w; GGUF files hold 1 + w
+                    raw, kind = (lambda t=t: (_as_f32(st.raw(t.name), t.type_name, hf_name) + 1).view(np.uint8)), "F32"
+                self.tensors[gguf_name] = Tensor(gguf_name, t.shape, kind, raw)
         add("token_embd.weight", "model.embed_tokens.weight")
         add("output_norm.weight", "model.norm.weight")
         add("output.weight", "lm_head.weight")
         for i in range(cfg.n_layer):
-            for g, h in {**self.HF_NAMES, **(self.HF_QK_NORMS if cfg.qk_norm else {})}.items():
+            names = {**self.HF_NAMES, **(self.HF_QK_NORMS if cfg.qk_norm else {}), **(self.HF_SANDWICH if gemma else {})}
+            for g, h in names.items():
                 add(f"blk.{i}.{g}.weight", f"model.layers.{i}.{h}.weight")
                 if cfg.bias and g in ("attn_q", "attn_k", "attn_v"):
                     add(f"blk.{i}.{g}.bias", f"model.layers.{i}.{h}.bias")
@@ -330,20 +400,17 @@ class ModelFile(_Tensors):
     def f32(self, name, shape):
         """A small tensor (norm weight, bias) as f32."""
         t = self.tensor(name, shape)
-        raw = t.raw()
-        if t.type_name == "F32":
-            return np.frombuffer(raw, np.float32).copy()
-        if t.type_name == "F16":
-            return np.frombuffer(raw, np.float16).astype(np.float32)
-        if t.type_name == "BF16":
-            return (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
-        raise ModelFileError(self.path, f"tensor {name!r} has type {t.type_name}; a float type is needed here")
+        return _as_f32(t.raw(), t.type_name, f"{self.path}: tensor {name!r}")
 
-    def rope_freqs(self):
-        """Per-pair inverse frequencies, with Llama-3 scaling applied when the model carries it."""
+    def rope_freqs(self, local=False):
+        """Per-pair inverse frequencies, with Llama-3 scaling applied when the model carries it; local: of the
+        sliding-window layers where their base differs (Gemma 3's, unscaled)."""
         cfg = self.config
         half = cfg.head_dim // 2
-        inv = 1.0 / (cfg.rope_base ** (np.arange(0, cfg.head_dim, 2, dtype=np.float32) / cfg.head_dim))
+        base = cfg.local_rope_base if local else cfg.rope_base
+        inv = 1.0 / (base ** (np.arange(0, cfg.head_dim, 2, dtype=np.float32) / cfg.head_dim))
+        if local:
+            return inv.astype(np.float32)
         if "rope_freqs.weight" in self.tensors:
             inv = inv / self.f32("rope_freqs.weight", (half,))
         kind = cfg.rope_scaling.get("rope_type")
@@ -352,6 +419,17 @@ class ModelFile(_Tensors):
         elif kind == "llama3":
             inv = _llama3_scaling(inv, cfg.rope_scaling)
         return inv.astype(np.float32)
+
+
+def _as_f32(raw, type_name, what):
+    """A float tensor's bytes as f32 values."""
+    if type_name == "F32":
+        return np.frombuffer(raw, np.float32).copy()
+    if type_name == "F16":
+        return np.frombuffer(raw, np.float16).astype(np.float32)
+    if type_name == "BF16":
+        return (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
+    raise ModelFileError(what, f"type {type_name}; a float type is needed here")
 
 
 def _permute_rows(raw, t, n_heads):

@@ -34,12 +34,24 @@ SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_ke
 ROPE = {"rope_theta": 500000.0}
 # Qwen3's heads: 128 wide (its default), 4 of them in a hidden size of 256
 QWEN3_HEADS = dict(num_attention_heads=4, head_dim=128)
+# Gemma's: heads of 256 (what transformers assumes of a GGUF file), a sliding window these prompts pass
+GEMMA = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=21)
+# Gemma 3's rope: the full layers' (here linearly scaled) and the sliding-window layers' own base
+GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
 VARIANTS = {  # name -> (config class name, dtype saved, rope parameters[, shape changes])
     "llama-f32": ("LlamaConfig", "float32", ROPE),
     "llama-bf16": ("LlamaConfig", "bfloat16", ROPE),
     "llama-f16": ("LlamaConfig", "float16", ROPE),
     "qwen2-f32": ("Qwen2Config", "float32", ROPE),  # attention biases on q, k, v
     "qwen3-f32": ("Qwen3Config", "float32", ROPE, QWEN3_HEADS),
+    # GELU, scaled embeddings, norms of 1 + w around both blocks, every other layer windowed; caps on scores and
+    # logits low enough to bite
+    "gemma2-f32": ("Gemma2Config", "float32", ROPE, {**GEMMA, "attn_logit_softcapping": 3.0,
+                                                     "final_logit_softcapping": 15.0}),
+    # per-head norms, a full layer among windowed ones with a rope of its own
+    "gemma3-f32": ("Gemma3TextConfig", "float32", GEMMA3_ROPE, {**GEMMA, "layer_types": [
+        "sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]}),
     "mistral-f32": ("MistralConfig", "float32", ROPE),  # a sliding window (4096) past these prompts
     # sliding windows these prompts pass: every layer's, and Qwen2's from its max_window_layers on
     "mistral-window": ("MistralConfig", "float32", ROPE, {"sliding_window": 21}),
