@@ -1,7 +1,8 @@
 """A transformers model written to GGUF as llama.cpp's converter (convert_hf_to_gguf.py) writes it: GGUF tensor
 names, the architecture's keys, the default model's tokenizer, 2-D weights in a chosen ggml type. For `llama` the
 converter reorders each head's query and key rows to adjacent rope pairs; for `qwen2` and `qwen3` it keeps HF's
-order (llama.cpp rotates their halves, "neox" rope) -- what the engine must undo as it loads them."""
+order (llama.cpp rotates their halves, "neox" rope) -- what the engine must undo as it loads them. Gemma's norms
+are written as 1 + w (what they scale by), its sliding window and caps as keys of their own."""
 import numpy as np
 
 gguf = __import__("pytest").importorskip("gguf")
@@ -12,11 +13,16 @@ NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
-def _gguf_name(hf):
+# Gemma's: post_attention_layernorm norms the attention's output there
+GEMMA_NAMES = {**NAMES, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def _gguf_name(hf, names=NAMES):
     if hf.startswith("model.layers."):
         i, rest = hf[len("model.layers."):].split(".", 1)
         part, kind = rest.rsplit(".", 1)
-        return f"blk.{i}.{NAMES[part]}.{kind}"
+        return f"blk.{i}.{names[part]}.{kind}"
     return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
             "lm_head.weight": "output.weight"}[hf]
 
@@ -37,7 +43,14 @@ def write(model, arch, path, tokenizer_gguf, matrix_type="Q8_0"):
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)  # Gemma 3's: per layer type
+    w.add_rope_freq_base(rope["rope_theta"])
+    gemma = arch.startswith("gemma")
+    if gemma:
+        w.add_sliding_window(c.sliding_window)
+    if arch == "gemma2":
+        w.add_float32("gemma2.attn_logit_softcapping", c.attn_logit_softcapping)
+        w.add_float32("gemma2.final_logit_softcapping", c.final_logit_softcapping)
     if arch == "llama":
         w.add_rope_dimension_count(head_dim)
     if head_dim != c.hidden_size // c.num_attention_heads:
@@ -49,8 +62,12 @@ def write(model, arch, path, tokenizer_gguf, matrix_type="Q8_0"):
             array = f.types[0] == gguf.GGUFValueType.ARRAY
             w.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[-1] if array else None)
     for hf, t in model.state_dict().items():
+        if gemma and hf == "lm_head.weight":  # tied: the embedding
+            continue
         a = t.detach().float().numpy()
-        name = _gguf_name(hf)
+        name = _gguf_name(hf, GEMMA_NAMES if gemma else NAMES)
+        if gemma and name.endswith("norm.weight"):
+            a = a + 1
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             a = _pairs(a, c.num_attention_heads if ".attn_q." in name else c.num_key_value_heads)
         if a.ndim == 2:

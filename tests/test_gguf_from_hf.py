@@ -10,12 +10,23 @@ import pytest
 import jitllm_core as jl
 import hf_to_gguf
 from reference import reference_logits, step_and_prompt_errors
-from test_safetensors_model import PROMPTS, _build
+from test_safetensors_model import GEMMA, PROMPTS, VARIANTS, _build
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-ARCHS = {"llama": "llama-f32", "qwen2": "qwen2-f32", "qwen3": "qwen3-f32"}  # arch -> HF variant
+# Gemmas as transformers reads them from a GGUF file, which names neither their caps (Gemma 2's defaults, 50 and
+# 30) nor which layers see every key (one in 2, one in 6: six layers, so that Gemma 3 has one) nor Gemma 3's ropes;
+# their LM head is the embedding
+GEMMA = {**GEMMA, "tie_word_embeddings": True}
+GGUF_VARIANTS = {"gemma2-gguf": ("Gemma2Config", "float32", {"rope_theta": 1e4}, GEMMA),
+                 "gemma3-gguf": ("Gemma3TextConfig", "float32", {
+                     "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+                     {**GEMMA, "num_hidden_layers": 6})}
+
+ARCHS = {"llama": "llama-f32", "qwen2": "qwen2-f32", "qwen3": "qwen3-f32",  # arch -> HF variant
+         "gemma2": "gemma2-gguf", "gemma3": "gemma3-gguf"}
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +35,7 @@ def gguf_models(tmp_path_factory, default_model):
                                                            gguf_file=os.path.basename(default_model))
     root = tmp_path_factory.mktemp("gguf_from_hf")
     out = {}
+    VARIANTS.update(GGUF_VARIANTS)
     for arch, variant in ARCHS.items():
         model = _build(root / variant, variant, tokenizer)
         out[arch] = (hf_to_gguf.write(model, arch, root / f"{arch}.gguf", default_model), model)
@@ -36,11 +48,11 @@ def test_gguf_matches_transformers(cpu, gguf_models, arch):
     with jl.Engine(path, devices=["cpu"], kv_dtype="f32") as eng:
         ids = (eng.tokenizer.encode(PROMPTS[0]) * 2)[:40]
         # the file is what it means: transformers reads it as the model it came from, but for its Q8_0 matrices
-        # (mean difference 1.6 % of the logits' spread; a qwen2 file with its rows in pairs, 30 %)
+        # (mean difference 1.6-5.4 % of the logits' spread; a qwen2 file with its rows in pairs, 30 %)
         with torch.no_grad():
             source = hf_model(torch.tensor([ids])).logits[0].numpy()
         want = reference_logits(path, ids)
-        assert want.std() > 0.05 and np.abs(want - source).mean() < 0.05 * want.std()
+        assert want.std() > 0.05 and np.abs(want - source).mean() < 0.1 * want.std()
         steps, prompt = step_and_prompt_errors(eng, path, ids)
     assert steps <= 1e-3
     assert prompt <= 1e-3
