@@ -271,8 +271,8 @@ def test_wide_row_dots_match_interpreter(name):
                                   "attention_softcap", "attention_wide_softcap", "gelu_mul", "softcap",
                                   "head_rmsnorm"])
 def test_attention_matches_interpreter(name):
-    """Attention in both forms (the paged one, and the one GPUs get: a lane per position, then per dimension), and
-    Qwen3's per-head norms of its queries and keys."""
+    """Attention in both forms (the paged one, and the one GPUs get: a lane per position, then per dimension),
+    windowed and capped, Qwen3's per-head norms of its queries and keys, Gemma's GELU and capped logits."""
     from test_ir import op_examples, op_inputs
     k, scalars = op_examples()[name]
     assert_matches_interpreter(emu.EmuDevice(), k, op_inputs(k), scalars, rtol=1e-4, atol=1e-4)
