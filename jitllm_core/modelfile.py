@@ -106,6 +106,9 @@ def _hf_rope(where, c):
     table = c.get(key) or {}
     if isinstance(table, dict) and "full_attention" in table:
         key, table = f"{key}.full_attention", table["full_attention"]
+    partial = (table if isinstance(table, dict) else {}).get("partial_rotary_factor", c.get("partial_rotary_factor", 1))
+    if partial != 1:  # a rope over part of each head
+        raise ModelFileError(where, f"partial_rotary_factor is {partial!r}; a rope over part of a head is not supported")
     scaling = _rope_scaling(where, key, table)  # also refuses a table that is not one
     if key.startswith("rope_parameters"):
         theta_key, theta = f"{key}.rope_theta", table.get("rope_theta")
@@ -158,10 +161,10 @@ def _refuse_unused(where, names):
                                     "so this model is not supported")
 
 
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 # GGUF architectures whose query and key rows rotate halves (`_rope_pairs`)
-HALVES_ARCHS = ("qwen2", "qwen3", "gemma2", "gemma3")
-HF_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text")  # config.json model_type
+HALVES_ARCHS = ("qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+HF_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text")  # config.json model_type
 # Gemma's layers that see every key, one in this many (the last of each run), where a file does not list them
 GEMMA_FULL_EVERY = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
 GEMMA_LOCAL_ROPE_BASE = 10000.0  # Gemma 3's sliding-window layers' rope base where a file does not say it
@@ -259,8 +262,11 @@ class ModelFile(_Tensors):
                    dim / n_head if big else None)
             self.config.sliding_window = p("attention.sliding_window", int, 0)
             self.config.full_layers = _full_every(self.config.n_layer, GEMMA_FULL_EVERY[arch])
+        if arch == "phi3":  # all its layers slide, where the file says so
+            self.config.sliding_window = p("attention.sliding_window", int, 0)
         self.tensors = {n: Tensor(n, t.shape, t.type_name, (lambda n=n: g.raw(n))) for n, t in g.tensors.items()}
-        _refuse_unused(self.path, set(g.tensors) - self.tensor_names())
+        self._split_fused(arch == "phi3")
+        _refuse_unused(self.path, set(self.tensors) - self.tensor_names())
         if arch in HALVES_ARCHS:
             self._rope_pairs()
         self.tokenizer = Tokenizer.from_gguf(g)
@@ -304,6 +310,28 @@ class ModelFile(_Tensors):
                 names.update(f"blk.{i}.{g}.weight" for g in ("post_attention_norm", "post_ffw_norm"))
         return names
 
+    def _split_fused(self, fused_ffn):
+        """Phi-3's fused matrices as the builder's: attn_qkv (the query's rows, the key's, the value's) and, where
+        fused_ffn, an ffn_up of twice the FFN's rows (the gate's, then the up projection's)."""
+        cfg = self.config
+        q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv * cfg.head_dim
+        for i in range(cfg.n_layer):
+            p = f"blk.{i}."
+            parts = [("attn_qkv", [("attn_q", q), ("attn_k", kv), ("attn_v", kv)])]
+            if fused_ffn:
+                parts.append(("ffn_up", [("ffn_gate", cfg.ffn), ("ffn_up", cfg.ffn)]))
+            for fused, split in parts:
+                t = self.tensors.pop(p + fused + ".weight", None)
+                if t is None:
+                    continue
+                if t.shape[0] != sum(rows for _, rows in split):
+                    raise ModelFileError(self.path, f"tensor {t.name!r} has {t.shape[0]} rows; the architecture needs "
+                                                    f"{' + '.join(str(r) for _, r in split)}")
+                start = 0
+                for name, rows in split:
+                    self.tensors[p + name + ".weight"] = _rows(t, p + name + ".weight", start, rows)
+                    start += rows
+
     def _rope_pairs(self):
         """The rope kernel rotates each head's adjacent pairs, as llama GGUF files store the query and key rows; HF
         models rotate the two halves of a head, and llama.cpp's converter keeps that order for Qwen files (its rope
@@ -327,6 +355,7 @@ class ModelFile(_Tensors):
     # Gemma's: its post_attention_layernorm norms the attention's output (a llama's is the MLP's input norm)
     HF_SANDWICH = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                    "post_ffw_norm": "post_feedforward_layernorm"}
+    HF_FUSED = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}  # Phi-3's (`_split_fused`)
 
     def _open_hf(self):
         from .safetensors import SafetensorsFolder
@@ -385,11 +414,13 @@ class ModelFile(_Tensors):
         add("output_norm.weight", "model.norm.weight")
         add("output.weight", "lm_head.weight")
         for i in range(cfg.n_layer):
-            names = {**self.HF_NAMES, **(self.HF_QK_NORMS if cfg.qk_norm else {}), **(self.HF_SANDWICH if gemma else {})}
+            names = {**self.HF_NAMES, **(self.HF_QK_NORMS if cfg.qk_norm else {}), **(self.HF_SANDWICH if gemma else {}),
+                     **(self.HF_FUSED if c["model_type"] == "phi3" else {})}
             for g, h in names.items():
                 add(f"blk.{i}.{g}.weight", f"model.layers.{i}.{h}.weight")
                 if cfg.bias and g in ("attn_q", "attn_k", "attn_v"):
                     add(f"blk.{i}.{g}.bias", f"model.layers.{i}.{h}.bias")
+        self._split_fused(c["model_type"] == "phi3")
         self._rope_pairs()
         # older checkpoints saved the rotary frequencies, which are computed from the config instead
         _refuse_unused(self.path, {n for n in st.tensors if n not in used and not n.endswith("rotary_emb.inv_freq")})
@@ -419,6 +450,15 @@ class ModelFile(_Tensors):
         elif kind == "llama3":
             inv = _llama3_scaling(inv, cfg.rope_scaling)
         return inv.astype(np.float32)
+
+
+def _rows(t, name, start, rows):
+    """Rows [start, start + rows) of a tensor (a quantized one's too: its rows are whole blocks), as a tensor."""
+    def raw():
+        data = t.raw()
+        per = len(data) // t.shape[0]
+        return data[start * per:(start + rows) * per]
+    return Tensor(name, (rows, *t.shape[1:]), t.type_name, raw)
 
 
 def _as_f32(raw, type_name, what):

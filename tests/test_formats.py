@@ -356,6 +356,10 @@ def test_more_tokens_than_embedding_rows_is_refused(tmp_path):
     ({"hidden_size": 8.5}, "hidden_size is 8.5; a whole number is needed"),
     ({"rope_theta": -1}, "rope_theta is -1.0"),
     ({"vocab_size": None}, "missing key 'vocab_size'"),
+    # a rope over part of each head (Phi-4-mini's), at the top or in transformers 5's rope_parameters
+    ({"partial_rotary_factor": 0.75}, "partial_rotary_factor is 0.75"),
+    ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "partial_rotary_factor is 0.5"),
+    ({"model_type": "gemma2", "hidden_activation": "gelu"}, "hidden_activation 'gelu' is not supported"),
 ])
 def test_a_config_json_value_no_model_has_is_named(tmp_path, changes, problem):
     from jitllm_core.modelfile import ModelFile

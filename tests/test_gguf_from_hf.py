@@ -1,7 +1,8 @@
 """GGUF files of each architecture the engine reads, written from transformers models as llama.cpp's converter
-writes them (`hf_to_gguf`): llama (query and key rows in rope pairs), qwen2 (biases; rows left in HF's halves)
-and qwen3 (per-head query and key norms, 128-wide heads given by attention.key_length; halves) -- through the
-engine against transformers loading the same file, token by token and whole prompts."""
+writes them (`hf_to_gguf`): llama (query and key rows in rope pairs), qwen2 (biases; rows left in HF's halves),
+qwen3 (per-head query and key norms, 128-wide heads given by attention.key_length; halves), phi3 (fused q/k/v and
+gate/up matrices) and gemma2 / gemma3 (norms of 1 + w, sliding windows, caps) -- through the engine against
+transformers loading the same file, token by token and whole prompts."""
 import os
 
 import numpy as np
@@ -19,14 +20,15 @@ transformers = pytest.importorskip("transformers")
 # 30) nor which layers see every key (one in 2, one in 6: six layers, so that Gemma 3 has one) nor Gemma 3's ropes;
 # their LM head is the embedding
 GEMMA = {**GEMMA, "tie_word_embeddings": True}
-GGUF_VARIANTS = {"gemma2-gguf": ("Gemma2Config", "float32", {"rope_theta": 1e4}, GEMMA),
+GGUF_VARIANTS = {"phi3-gguf": ("Phi3Config", "float32", {"rope_theta": 1e4}, {}),  # no window: transformers reads none
+                 "gemma2-gguf": ("Gemma2Config", "float32", {"rope_theta": 1e4}, GEMMA),
                  "gemma3-gguf": ("Gemma3TextConfig", "float32", {
                      "full_attention": {"rope_type": "default", "rope_theta": 1e6},
                      "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
                      {**GEMMA, "num_hidden_layers": 6})}
 
 ARCHS = {"llama": "llama-f32", "qwen2": "qwen2-f32", "qwen3": "qwen3-f32",  # arch -> HF variant
-         "gemma2": "gemma2-gguf", "gemma3": "gemma3-gguf"}
+         "phi3": "phi3-gguf", "gemma2": "gemma2-gguf", "gemma3": "gemma3-gguf"}
 
 
 @pytest.fixture(scope="module")
