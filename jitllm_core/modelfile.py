@@ -334,8 +334,9 @@ class ModelFile(_Tensors):
 
     def _rope_pairs(self):
         """The rope kernel rotates each head's adjacent pairs, as llama GGUF files store the query and key rows; HF
-        models rotate the two halves of a head, and llama.cpp's converter keeps that order for Qwen files (its rope
-        there is "neox"). Such rows -- with their biases and per-head norms -- are reordered to pairs as they load."""
+        models rotate the two halves of a head, and llama.cpp's converter keeps that order for Qwen, Phi-3 and Gemma
+        files (HALVES_ARCHS: its rope there is "neox"). Such rows -- with their biases and per-head norms -- are
+        reordered to pairs as they load."""
         cfg = self.config
         for i in range(cfg.n_layer):
             for g, heads in (("attn_q", cfg.n_head), ("attn_k", cfg.n_kv)):
