@@ -289,8 +289,9 @@ class Llama:
             *mm(p + "attn_k.weight", "xn", "k", kv, c.dim, bias=b("attn_k")),
             *mm(p + "attn_v.weight", "xn", "v", kv, c.dim, bias=b("attn_v")),
             *qk_norms,
-            LaunchTemplate(ops.rope(c.n_head, c.head_dim, T, self.positions), {"q": "a:q", "rot": rot}, only_wanted),
-            LaunchTemplate(ops.rope(c.n_kv, c.head_dim, T, self.positions), {"q": "a:k", "rot": rot}, EVERY_TOKEN),
+            *([] if unit in c.nope_layers else [  # SmolLM3's layers without rope
+                LaunchTemplate(ops.rope(heads, c.head_dim, T, self.positions), {"q": f"a:{x}", "rot": rot}, scalars)
+                for x, heads, scalars in (("q", c.n_head, only_wanted), ("k", c.n_kv, EVERY_TOKEN))]),
             LaunchTemplate(ops.kv_store(c.n_kv, c.head_dim, T, **cache), {"k": "a:k", "v": "a:v", **kvb}),
             LaunchTemplate(ops.attention(c.n_head, c.n_kv, c.head_dim, T, **cache, wide=not interleave,
                                          window=window, scale=c.attn_scale or None, softcap=c.attn_softcap),

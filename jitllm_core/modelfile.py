@@ -30,6 +30,7 @@ class Config:
     rope_scaling: dict = field(default_factory=dict)
     sliding_window: int = 0                       # keys a token sees, itself included (0: every earlier one)
     full_layers: frozenset = frozenset()          # layers that see every key despite a sliding window
+    nope_layers: frozenset = frozenset()          # layers without rope (SmolLM3's one in 4)
 
     # Gemma 2 and 3's
     embed_scale: float = 1.0      # the embedding rows times this (Gemma: sqrt(dim), as an f32)
@@ -108,13 +109,25 @@ def _hf_rope(where, c):
         key, table = f"{key}.full_attention", table["full_attention"]
     partial = (table if isinstance(table, dict) else {}).get("partial_rotary_factor", c.get("partial_rotary_factor", 1))
     if partial != 1:  # a rope over part of each head
-        raise ModelFileError(where, f"partial_rotary_factor is {partial!r}; a rope over part of a head is not supported")
+        raise ModelFileError(where, f"partial_rotary_factor is {partial!r}; a rope over part of a head is not "
+                                    "supported")
     scaling = _rope_scaling(where, key, table)  # also refuses a table that is not one
     if key.startswith("rope_parameters"):
         theta_key, theta = f"{key}.rope_theta", table.get("rope_theta")
     else:
         theta_key, theta = "rope_theta", c.get("rope_theta")
     return theta_key, _number(where, theta_key, 1e4 if theta is None else theta, float), scaling
+
+
+def _nope_layers(where, c, n_layer):
+    """SmolLM3's layers without rope: no_rope_layers lists 1 for a layer with rope, 0 for one without."""
+    flags = c.get("no_rope_layers")
+    if flags is None:
+        every = c.get("no_rope_layer_interval", NOPE_EVERY)
+        return _full_every(n_layer, _number(where, "no_rope_layer_interval", every, int))
+    if not isinstance(flags, list) or len(flags) != n_layer or any(f not in (0, 1) for f in flags):
+        raise ModelFileError(where, f"no_rope_layers must list {n_layer} of 0 or 1")
+    return frozenset(i for i, f in enumerate(flags) if f == 0)
 
 
 def _hf_local_rope_base(where, c):
@@ -161,10 +174,12 @@ def _refuse_unused(where, names):
                                     "so this model is not supported")
 
 
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+GGUF_ARCHS = ("llama", "smollm3", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 # GGUF architectures whose query and key rows rotate halves (`_rope_pairs`)
 HALVES_ARCHS = ("qwen2", "qwen3", "phi3", "gemma2", "gemma3")
-HF_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text")  # config.json model_type
+HF_TYPES = ("llama", "smollm3", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text")  # config.json model_type
+# SmolLM3's layers without rope, one in this many (the last of each run), where a file does not list them
+NOPE_EVERY = 4
 # Gemma's layers that see every key, one in this many (the last of each run), where a file does not list them
 GEMMA_FULL_EVERY = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
 GEMMA_LOCAL_ROPE_BASE = 10000.0  # Gemma 3's sliding-window layers' rope base where a file does not say it
@@ -264,6 +279,8 @@ class ModelFile(_Tensors):
             self.config.full_layers = _full_every(self.config.n_layer, GEMMA_FULL_EVERY[arch])
         if arch == "phi3":  # all its layers slide, where the file says so
             self.config.sliding_window = p("attention.sliding_window", int, 0)
+        if arch == "smollm3":
+            self.config.nope_layers = _full_every(self.config.n_layer, NOPE_EVERY)
         self.tensors = {n: Tensor(n, t.shape, t.type_name, (lambda n=n: g.raw(n))) for n, t in g.tensors.items()}
         self._split_fused(arch == "phi3")
         _refuse_unused(self.path, set(self.tensors) - self.tensor_names())
@@ -390,6 +407,8 @@ class ModelFile(_Tensors):
             qk_norm=c["model_type"] == "qwen3", rope_scaling=scaling)
         cfg = self.config
         cfg.sliding_window, cfg.full_layers = _sliding_window(where, c, cfg.n_layer)
+        if c["model_type"] == "smollm3":
+            cfg.nope_layers = _nope_layers(where, c, cfg.n_layer)
         if gemma:
             caps = [need(key, float, 0.0) for key in ("attn_logit_softcapping", "final_logit_softcapping")]
             _gemma(cfg, c["model_type"], *caps, need("query_pre_attn_scalar", float, cfg.head_dim),
@@ -415,8 +434,8 @@ class ModelFile(_Tensors):
         add("output_norm.weight", "model.norm.weight")
         add("output.weight", "lm_head.weight")
         for i in range(cfg.n_layer):
-            names = {**self.HF_NAMES, **(self.HF_QK_NORMS if cfg.qk_norm else {}), **(self.HF_SANDWICH if gemma else {}),
-                     **(self.HF_FUSED if c["model_type"] == "phi3" else {})}
+            names = {**self.HF_NAMES, **(self.HF_QK_NORMS if cfg.qk_norm else {}),
+                     **(self.HF_SANDWICH if gemma else {}), **(self.HF_FUSED if c["model_type"] == "phi3" else {})}
             for g, h in names.items():
                 add(f"blk.{i}.{g}.weight", f"model.layers.{i}.{h}.weight")
                 if cfg.bias and g in ("attn_q", "attn_k", "attn_v"):

@@ -52,7 +52,8 @@ def write(model, arch, path, tokenizer_gguf, matrix_type="Q8_0"):
     if arch == "gemma2":
         w.add_float32("gemma2.attn_logit_softcapping", c.attn_logit_softcapping)
         w.add_float32("gemma2.final_logit_softcapping", c.final_logit_softcapping)
-    if arch == "llama":
+    pairs = arch in ("llama", "smollm3")  # the converter's permute: their rope rotates pairs
+    if pairs:
         w.add_rope_dimension_count(head_dim)
     if head_dim != c.hidden_size // c.num_attention_heads:
         w.add_key_length(head_dim)
@@ -69,7 +70,7 @@ def write(model, arch, path, tokenizer_gguf, matrix_type="Q8_0"):
         name = _gguf_name(hf, GEMMA_NAMES if gemma else NAMES)
         if gemma and name.endswith("norm.weight"):
             a = a + 1
-        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+        if pairs and (".attn_q." in name or ".attn_k." in name):
             a = _pairs(a, c.num_attention_heads if ".attn_q." in name else c.num_key_value_heads)
         if a.ndim == 2:
             kind = gguf.GGMLQuantizationType[matrix_type]

@@ -45,6 +45,7 @@ VARIANTS = {  # name -> (config class name, dtype saved, rope parameters[, shape
     "llama-f16": ("LlamaConfig", "float16", ROPE),
     "qwen2-f32": ("Qwen2Config", "float32", ROPE),  # attention biases on q, k, v
     "qwen3-f32": ("Qwen3Config", "float32", ROPE, QWEN3_HEADS),
+    "smollm3-f32": ("SmolLM3Config", "float32", ROPE, {"pad_token_id": None}),  # its last layer without rope (1 in 4)
     # fused q/k/v and gate/up matrices, a sliding window on every layer
     "phi3-f32": ("Phi3Config", "float32", ROPE, {"sliding_window": 21}),
     # GELU, scaled embeddings, norms of 1 + w around both blocks, every other layer windowed; caps on scores and
