@@ -106,7 +106,8 @@ class Llama:
         return {"tok": ("i32", T), "x": ("f32", T * c.dim), "xn": ("f32", T * c.dim), "q": ("f32", T * q),
                 "k": ("f32", T * kv), "v": ("f32", T * kv), "att": ("f32", T * q), "g": ("f32", T * c.ffn),
                 "u": ("f32", T * c.ffn), "h": ("f32", T * c.ffn), "logits": ("f32", T * c.vocab),
-                **({"y": ("f32", T * c.dim)} if c.sandwich else {}),  # an output before its norm joins x
+                # an output before it joins x, normed or scaled
+                **({"y": ("f32", T * c.dim)} if c.sandwich or c.residual_scale != 1.0 else {}),
                 "scores": ("f32", T * c.n_head * self.n_pages * self.page),
                 # the prefill matmuls' scratch: blocks of a layer matrix, dequantized (a column chunk's are no wider)
                 "wdq": ("f32", max((ops.prefill_scratch(self.fmt(name, shape), *shape, T)
@@ -160,6 +161,10 @@ class Llama:
         keep: the result is read again later (a streamed unit's weights are copied from host memory every step),
         so it is a memory-mapped file in the cache rather than a copy in memory."""
         shape, as_f32 = self.weight_shapes(unit)[name]
+        if as_f32 and name == "output_norm.weight" and self.cfg.logit_scale != 1.0:
+            # Granite's logits divided by its logits_scaling: the final norm's weight divided instead (logits are
+            # linear in it)
+            return self.mf.f32(name, shape) / np.float32(self.cfg.logit_scale)
         if as_f32:
             return self.mf.f32(name, shape)
         fmt, raw = self._file_format(name, shape), self.mf.tensor(name, shape).raw()
@@ -274,7 +279,11 @@ class Llama:
         rot = "c:rope_local" if window and c.local_rope_base else "c:rope"
 
         def joined(name, y, rows, cols):
-            """The matmul of weight `name` by y added into x; with sandwich norms, normed first (into y, xn)."""
+            """The matmul of weight `name` by y added into x; with sandwich norms, normed first (into y, xn); with a
+            residual scale (Granite's), scaled as it joins."""
+            if c.residual_scale != 1.0:
+                return [*mm_wanted(p + name + ".weight", y, "y", rows, cols),
+                        LaunchTemplate(ops.add(c.dim, T, c.residual_scale), {"y": "a:y", "x": "a:x"}, only_wanted)]
             if not c.sandwich:
                 return mm_wanted(p + name + ".weight", y, "x", rows, cols, acc=True)
             post = "post_attention_norm" if name == "attn_output" else "post_ffw_norm"

@@ -40,6 +40,9 @@ class Config:
     attn_softcap: float = 0.0     # scores -> cap * tanh(scores / cap) (0: none)
     final_softcap: float = 0.0    # logits -> cap * tanh(logits / cap) (0: none)
     local_rope_base: float = 0.0  # the sliding-window layers' rope base, unscaled, where it differs (0: the same)
+    # Granite's (with embed_scale and attn_scale)
+    residual_scale: float = 1.0   # each block's output times this as it joins the residual
+    logit_scale: float = 1.0      # the logits divided by this
 
     def window(self, layer):
         """The sliding window of a layer's attention (0: none)."""
@@ -174,10 +177,11 @@ def _refuse_unused(where, names):
                                     "so this model is not supported")
 
 
-GGUF_ARCHS = ("llama", "smollm3", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+GGUF_ARCHS = ("llama", "smollm3", "granite", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 # GGUF architectures whose query and key rows rotate halves (`_rope_pairs`)
 HALVES_ARCHS = ("qwen2", "qwen3", "phi3", "gemma2", "gemma3")
-HF_TYPES = ("llama", "smollm3", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text")  # config.json model_type
+HF_TYPES = ("llama", "smollm3", "granite", "qwen2", "qwen3", "mistral", "phi3", "gemma2",  # config.json model_type
+            "gemma3_text")
 # SmolLM3's layers without rope, one in this many (the last of each run), where a file does not list them
 NOPE_EVERY = 4
 # Gemma's layers that see every key, one in this many (the last of each run), where a file does not list them
@@ -195,6 +199,18 @@ def _gemma(cfg, kind, attn_softcap=0.0, final_softcap=0.0, query_scalar=None, lo
         cfg.attn_scale = query_scalar ** -0.5
     if cfg.qk_norm:
         cfg.local_rope_base = local_rope_base or GEMMA_LOCAL_ROPE_BASE
+
+
+# Granite's multipliers: embedding, residual, attention scores, logits (divided by the last)
+GRANITE_HF = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+GRANITE_GGUF = ("embedding_scale", "residual_scale", "attention.scale", "logit_scale")
+
+
+def _granite(cfg, embed, residual, attention, logits):
+    """Granite's multipliers on a Config (a llama's are all 1 but attention's: 1 / sqrt(head_dim))."""
+    cfg.embed_scale, cfg.residual_scale, cfg.logit_scale = embed, residual, logits
+    if attention != 1.0:
+        cfg.attn_scale = attention
 
 
 def _full_every(n_layer, k):
@@ -281,6 +297,8 @@ class ModelFile(_Tensors):
             self.config.sliding_window = p("attention.sliding_window", int, 0)
         if arch == "smollm3":
             self.config.nope_layers = _full_every(self.config.n_layer, NOPE_EVERY)
+        if arch == "granite":
+            _granite(self.config, *(p(k, float, 1.0) for k in GRANITE_GGUF))
         self.tensors = {n: Tensor(n, t.shape, t.type_name, (lambda n=n: g.raw(n))) for n, t in g.tensors.items()}
         self._split_fused(arch == "phi3")
         _refuse_unused(self.path, set(self.tensors) - self.tensor_names())
@@ -409,6 +427,8 @@ class ModelFile(_Tensors):
         cfg.sliding_window, cfg.full_layers = _sliding_window(where, c, cfg.n_layer)
         if c["model_type"] == "smollm3":
             cfg.nope_layers = _nope_layers(where, c, cfg.n_layer)
+        if c["model_type"] == "granite":
+            _granite(cfg, *(need(k, float, 1.0) for k in GRANITE_HF))
         if gemma:
             caps = [need(key, float, 0.0) for key in ("attn_logit_softcapping", "final_logit_softcapping")]
             _gemma(cfg, c["model_type"], *caps, need("query_pre_attn_scalar", float, cfg.head_dim),

@@ -575,15 +575,16 @@ def gelu_mul(dim: int, T: int) -> ir.Kernel:
 
 
 @functools.cache
-def add(dim: int, T: int) -> ir.Kernel:
-    """x += y for the tokens from t0: a normed output joining the residual (Gemma's sandwich norms)."""
-    k = ir.Kernel(f"add_{dim}_T{T}")
+def add(dim: int, T: int, scale=1.0) -> ir.Kernel:
+    """x += y (times scale) for the tokens from t0: a block's output joining the residual, normed (Gemma's sandwich
+    norms) or scaled (Granite's residual multiplier)."""
+    k = ir.Kernel(f"add_{dim}_T{T}{f'_x{scale:g}' if scale != 1.0 else ''}")
     k.buffer("y", "f32", T * dim), k.buffer("x", "f32", T * dim, True)
     n, t0 = k.scalar("n_tokens"), k.scalar("t0")
     with k.parallel("j", n - t0) as j:
         with k.loop("i", dim, "vector") as i:
             at = (t0 + j) * dim + i
-            k.store("x", at, k.load("x", at) + k.load("y", at))
+            k.store("x", at, k.load("x", at) + (k.load("y", at) * scale if scale != 1.0 else k.load("y", at)))
     return k.finish()
 
 

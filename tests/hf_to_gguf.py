@@ -49,10 +49,15 @@ def write(model, arch, path, tokenizer_gguf, matrix_type="Q8_0"):
     gemma = arch.startswith("gemma")
     if gemma:
         w.add_sliding_window(c.sliding_window)
+    if arch == "granite":
+        w.add_float32("granite.embedding_scale", c.embedding_multiplier)
+        w.add_float32("granite.residual_scale", c.residual_multiplier)
+        w.add_float32("granite.attention.scale", c.attention_multiplier)
+        w.add_float32("granite.logit_scale", c.logits_scaling)
     if arch == "gemma2":
         w.add_float32("gemma2.attn_logit_softcapping", c.attn_logit_softcapping)
         w.add_float32("gemma2.final_logit_softcapping", c.final_logit_softcapping)
-    pairs = arch in ("llama", "smollm3")  # the converter's permute: their rope rotates pairs
+    pairs = arch in ("llama", "smollm3", "granite")  # the converter's permute: their rope rotates pairs
     if pairs:
         w.add_rope_dimension_count(head_dim)
     if head_dim != c.hidden_size // c.num_attention_heads:

@@ -2,8 +2,8 @@
 writes them (`hf_to_gguf`): llama (query and key rows in rope pairs), qwen2 (biases; rows left in HF's halves),
 qwen3 (per-head query and key norms, 128-wide heads given by attention.key_length; halves), phi3 (fused q/k/v and
 gate/up matrices) and gemma2 / gemma3 (norms of 1 + w, sliding windows, caps) -- through the engine against
-transformers loading the same file, token by token and whole prompts; smollm3, which transformers does not read,
-against the model it was written from."""
+transformers loading the same file, token by token and whole prompts; smollm3 and granite, which transformers does
+not read, against the models they were written from."""
 import os
 
 import numpy as np
@@ -45,13 +45,14 @@ def gguf_models(tmp_path_factory, default_model):
     return out
 
 
-def test_gguf_transformers_cannot_read_matches_its_source(cpu, tmp_path, default_model):
-    """SmolLM3's GGUF file (its last layer in 4 without rope), which transformers does not read: with F32 matrices,
-    against the transformers model it was written from."""
+@pytest.mark.parametrize("arch", ["smollm3", "granite"])
+def test_gguf_transformers_cannot_read_matches_its_source(cpu, tmp_path, default_model, arch):
+    """SmolLM3's GGUF file (its last layer in 4 without rope) and Granite's (its multipliers as keys), which
+    transformers does not read: with F32 matrices, against the transformers model each was written from."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(default_model),
                                                            gguf_file=os.path.basename(default_model))
-    model = _build(tmp_path / "smollm3", "smollm3-f32", tokenizer)
-    path = hf_to_gguf.write(model, "smollm3", tmp_path / "smollm3.gguf", default_model, matrix_type="F32")
+    model = _build(tmp_path / arch, f"{arch}-f32", tokenizer)
+    path = hf_to_gguf.write(model, arch, tmp_path / f"{arch}.gguf", default_model, matrix_type="F32")
     with jl.Engine(path, devices=["cpu"], kv_dtype="f32") as eng:
         ids = (eng.tokenizer.encode(PROMPTS[0]) * 2)[:40]
         with torch.no_grad():

@@ -150,6 +150,7 @@ def op_examples():
         # Gemma's: GELU (tanh form), a normed output joining the residual, capped logits and scores, scaled rows
         "gelu_mul": (ops.gelu_mul(16, T), {"n_tokens": 3, "t0": 1}),
         "add": (ops.add(16, T), {"n_tokens": 3, "t0": 1}),
+        "add_scaled": (ops.add(16, T, 0.25), {"n_tokens": 3, "t0": 1}),  # Granite's residual multiplier
         "softcap": (ops.softcap(16, T, 3.0), {"n_tokens": 2, "t0": 1}),
         "attention_softcap": (ops.attention(4, 2, 8, T, page, n_pages, n_pages, "f32", scale=0.25, softcap=2.0),
                               {"pos": 5, "n_tokens": 3, "t0": 1}),

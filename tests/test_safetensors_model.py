@@ -46,6 +46,9 @@ VARIANTS = {  # name -> (config class name, dtype saved, rope parameters[, shape
     "qwen2-f32": ("Qwen2Config", "float32", ROPE),  # attention biases on q, k, v
     "qwen3-f32": ("Qwen3Config", "float32", ROPE, QWEN3_HEADS),
     "smollm3-f32": ("SmolLM3Config", "float32", ROPE, {"pad_token_id": None}),  # its last layer without rope (1 in 4)
+    # multipliers of the embedding, of each block's output, of the scores and (divided by) of the logits
+    "granite-f32": ("GraniteConfig", "float32", ROPE, {"embedding_multiplier": 4.0, "residual_multiplier": 0.5,
+                                                       "attention_multiplier": 0.1, "logits_scaling": 2.0}),
     # fused q/k/v and gate/up matrices, a sliding window on every layer
     "phi3-f32": ("Phi3Config", "float32", ROPE, {"sliding_window": 21}),
     # GELU, scaled embeddings, norms of 1 + w around both blocks, every other layer windowed; caps on scores and
