@@ -467,7 +467,8 @@ class Affine4(Interleaved):
         raise NotImplementedError
 
     def block_dot(self, k, buf, at, inp, piece):
-        parts = [scale * _nibble_dot(k, buf, at, off, inp, e0, fifth, self.table) + offset * (inp.sum(e0) + inp.sum(e0 + 16))
+        parts = [scale * _nibble_dot(k, buf, at, off, inp, e0, fifth, self.table)
+                 + offset * (inp.sum(e0) + inp.sum(e0 + 16))
                  for scale, offset, off, fifth, e0 in self.subs(k, buf, at, piece)]
         return sum(parts[1:], parts[0])
 
