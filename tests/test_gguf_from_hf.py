@@ -79,3 +79,17 @@ def test_gguf_matches_transformers(cpu, gguf_models, arch):
         steps, prompt = step_and_prompt_errors(eng, path, ids)
     assert steps <= 1e-3
     assert prompt <= 1e-3
+
+
+@pytest.mark.parametrize("device", ["vulkan:0", "cuda:0"])
+@pytest.mark.parametrize("arch", ["gemma3", "phi3"])
+def test_gguf_on_an_accelerator_matches_transformers(gguf_models, device, arch):
+    """The same on each accelerator (vulkan:0 is lavapipe on the test machines): Gemma 3's heads of 256, windows and
+    local rope table, Phi-3's split matrices."""
+    from conftest import backend_device
+    backend_device(device)
+    path, _ = gguf_models[arch]
+    with jl.Engine(path, devices=[device], kv_dtype="f32") as eng:
+        steps, prompt = step_and_prompt_errors(eng, path, (eng.tokenizer.encode(PROMPTS[0]) * 2)[:40])
+    assert steps <= 1e-3
+    assert prompt <= 1e-3
