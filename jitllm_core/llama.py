@@ -1,5 +1,5 @@
-"""Llama-family models (Llama 2/3, SmolLM2, Mistral, Qwen2 and Qwen3) as kernels: a model file's config and weights
-(`modelfile.ModelFile`) -> the launches of each unit.
+"""Llama-family models and their relatives (Llama 2/3, SmolLM2/3, Granite, Mistral, Qwen2/3, Phi-3, Gemma 2/3) as
+kernels: a model file's config and weights (`modelfile.ModelFile`) -> the launches of each unit.
 
 Units: "embed", layers 0..n-1, "head" (final norm + LM head). A unit is a list of Launch templates: a kernel
 and, per buffer parameter, the name of a weight ("w:blk.3.attn_q"), a per-device activation ("a:x"), or a
@@ -117,21 +117,20 @@ class Llama:
                 "xq": ("u8", inp * self.digits), "xd": ("f32", inp // 32), "xs": ("f32", inp // 16)}
 
     def activation_bytes(self):
-        """What every device that runs a unit holds besides the units: activations, constants (the rope table),
+        """What every device that runs a unit holds besides the units: activations, constants (the rope tables),
         a margin."""
-        rope = self.positions * self.cfg.head_dim * 4 * len(self.rope_tables())  # rope_table's cos and sin, f32
+        rope = self.positions * self.cfg.head_dim * 4 * len(self.rope_freqs())  # rope_table's cos and sin, f32
         return sum(size * ir.STORAGE_DTYPES[dt] for dt, size in self.activations().values()) + rope + (1 << 20)
 
-    def rope_tables(self):
-        """The constants the rope launches read ("c:<name>"): each position's cosines and sines (`rope_table`), and
-        the sliding-window layers' own where their base differs (Gemma 3's)."""
-        tables = {"rope": lambda: self.mf.rope_freqs()}
-        if self.cfg.local_rope_base:
-            tables["rope_local"] = lambda: self.mf.rope_freqs(local=True)
-        return tables
+    def rope_freqs(self):
+        """The frequencies of the constants the rope launches read ("c:<name>"): every layer's, and the
+        sliding-window layers' own where their base differs (Gemma 3's)."""
+        local = {"rope_local": self.mf.rope_freqs(local=True)} if self.cfg.local_rope_base else {}
+        return {"rope": self.mf.rope_freqs(), **local}
 
     def constants_data(self):
-        return {name: rope_table(freqs(), self.positions) for name, freqs in self.rope_tables().items()}
+        """The constants themselves: each position's cosines and sines (`rope_table`)."""
+        return {name: rope_table(freqs, self.positions) for name, freqs in self.rope_freqs().items()}
 
     def weight_shapes(self, unit):
         """tensor name -> (shape, True if read as f32 constant data rather than by a matmul)"""
