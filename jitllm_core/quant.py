@@ -8,18 +8,18 @@ on every backend. Dot products (`row_dot`) and dequantization (`dequant_kernel`)
 `terms`, so a new format added here works everywhere, with no plugin change.
 
 At load, the ggml formats are repacked (`repack`) into *row-interleaved* layouts of the same values
-(`Interleaved`: R8, R4, R5, R2K, R3K, R4K, R5K, R6): ROWS rows stored together, each field of a block holding the
+(`Interleaved`: R8, R4, R5, R40, R50, R4NL, R2K, R3K, R4K, R5K, R4XS, R6): ROWS rows stored together, each field of a block holding the
 rows' bytes side by side, so that a vector whose lanes are rows reads every field -- scales as well as quants --
 with one contiguous load and a dot product keeps each row's sum in its own lane (no horizontal sum per block, no
-scale broadcast). All but R8 are *dot4 layouts*: their fields are words (4 weights to a word: 4-bit ones in the
-file's nibble order, 2-bit ones a shift apart, the top bits of 5- and 3-bit ones in words of their own, Q6_K's q
+scale broadcast). All but R8 are *dot4 layouts*: their fields are words but a lone f16 scale (4 weights to a word:
+4-bit ones in the file's nibble order, IQ4's codes looked up as bytes, 2-bit ones a shift apart, the top bits of 5- and 3-bit ones in words of their own, Q6_K's q
 whole), and their dots multiply the weights' integers by the input's (`ops.quantize_input`: 3 signed base-256
 digits per element, each within 2^-24 of its span's largest) with `ir.dot4`, 4 byte products to a lane per
 instruction where the CPU has VNNI, then apply the scales in f32 (d * scale * sum q x + offset * sum x, the
 input's sums read for the offsets). Sizes are the file's (Q4_K's packed 6-bit scales stay packed, unpacked a word
-at a time in the dot), but Q6_K's 212 bytes a block instead of 210, to keep words whole, Q3_K's 116 instead of 110
-(its scales unpacked), and Q4_0's and Q5_0's 20 and 24 instead of 18 and 22: their offsets (-8 d, -16 d) stored as
-Q4_1's and Q5_1's are.
+at a time in the dot; Q4_0's, Q5_0's and IQ4_NL's offsets, -8 d, -16 d and -128 d, computed in the dot), but Q6_K's
+212 bytes a block instead of 210, to keep words whole, Q3_K's 116 instead of 110 and IQ4_XS's 140 instead of 136
+(their scales unpacked).
 """
 from __future__ import annotations
 
@@ -478,8 +478,8 @@ class Affine4(Interleaved):
 
 
 class R4(Affine4):
-    """Blocks of 32 (Q4_0, Q4_1): [d f16, m f16][4 words of nibbles] per row; value = d * q + m. R5 (Q5_0, Q5_1):
-    [d, m][a word of fifth bits][4 words of nibbles]."""
+    """Q4_1's blocks of 32: [d f16, m f16][4 words of nibbles] per row; value = d * q + m. R5 (Q5_1): [d, m][a word
+    of fifth bits][4 words of nibbles]."""
     fifth = None
 
     def subs(self, k, buf, at, piece):
@@ -491,9 +491,24 @@ class R5(R4):
     fifth = 4
 
 
-class R4NL(R4):
-    """IQ4_NL's blocks of 32: R4's layout, d and the offset -128 d, the codes' bytes looked up (`Affine4`)."""
-    table = IQ4_CODES
+class R40(Affine4):
+    """Blocks of 32 whose values are d * (q - zero) (Q4_0's, zero 8): [d f16][4 words of nibbles] per row, the
+    file's 18 bytes -- the offset -zero * d computed in the dot, not stored. R50 (Q5_0's, zero 16): [d][a word of
+    fifth bits][4 words of nibbles], 22 bytes. R4NL (IQ4_NL's): R40's, the codes' bytes looked up (`Affine4`: u =
+    level + 128, zero 128)."""
+    zero, fifth = 8, None
+
+    def subs(self, k, buf, at, piece):
+        d = _half(k, buf, at(0, 2))
+        return [(d, d * float(-self.zero), 2 if self.fifth is None else 6, self.fifth, 0)]
+
+
+class R50(R40):
+    zero, fifth = 16, 2
+
+
+class R4NL(R40):
+    zero, table = 128, IQ4_CODES
 
 
 class R4XS(Affine4):
@@ -673,18 +688,16 @@ PACKED = {
     "R8": R8("R8", 32, 34, "u8", 1, ROWS),
     "R4": R4("R4", 32, 20, "u8", 1, ROWS),
     "R5": R5("R5", 32, 24, "u8", 1, ROWS),
+    "R40": R40("R40", 32, 18, "u8", 1, ROWS),
+    "R50": R50("R50", 32, 22, "u8", 1, ROWS),
     "R4K": R4K("R4K", 256, 144, "u8", 1, ROWS),
     "R5K": R5K("R5K", 256, 176, "u8", 1, ROWS),
     "R6": R6("R6", 256, 212, "u8", 1, ROWS),
     "R2K": R2K("R2K", 256, 84, "u8", 1, ROWS),
     "R3K": R3K("R3K", 256, 116, "u8", 1, ROWS),
-    "R4NL": R4NL("R4NL", 32, 20, "u8", 1, ROWS),
+    "R4NL": R4NL("R4NL", 32, 18, "u8", 1, ROWS),
     "R4XS": R4XS("R4XS", 256, 140, "u8", 1, ROWS),
 }
-
-
-def _f16_at(blocks, off):
-    return blocks[:, off:off + 2].copy().view(np.float16)[:, 0].astype(np.float32)
 
 
 def _interleave(rows, fields, byte_fields):
@@ -698,10 +711,6 @@ def _interleave(rows, fields, byte_fields):
     return np.concatenate([p.reshape(p.shape[0], p.shape[1], -1) for p in parts], axis=2).reshape(-1)
 
 
-def _f16_field(v):
-    return np.ascontiguousarray(v, "<f2").view(np.uint8).reshape(len(v), 2)
-
-
 def _pack_q8_0(b, rows):
     return _interleave(rows, [b[:, 0:2]], [b[:, 2:34]])
 
@@ -713,12 +722,10 @@ def _words(rows, b):
     return np.ascontiguousarray(b.reshape(rows // ROWS, ROWS, nb, -1, 4).transpose(0, 2, 3, 1, 4)).reshape(-1)
 
 
-def _offset_field(b, zero, name):
-    """The f16 offset -zero * d of blocks whose values are d * (q - zero) (Q4_0, Q5_0), stored as Q4_1's m is."""
-    m = _f16_at(b, 0) * np.float32(-zero)
-    if not np.isfinite(m.astype(np.float16)).all():
-        raise ModelFileError("model", f"a {name} block scale beyond {65504 // zero} has no interleaved form")
-    return _f16_field(m)
+def _fields(rows, b, sizes):
+    """Blocks' bytes (rows * nb, sum of sizes) cut into fields of these sizes -> interleaved (`_interleave`)."""
+    cuts = np.cumsum([0, *sizes])
+    return _interleave(rows, [b[:, a:z] for a, z in zip(cuts, cuts[1:])], [])
 
 
 def _k_nibbles(qs):
@@ -739,7 +746,7 @@ def _crumb_words(qs):
 
 
 def _pack_q4_0(b, rows):
-    return _words(rows, np.concatenate([b[:, 0:2], _offset_field(b, 8, "Q4_0"), b[:, 2:18]], axis=1))
+    return _fields(rows, b, [2, 4, 4, 4, 4])  # IQ4_NL's too: d and 16 bytes of codes
 
 
 def _pack_q4_1(b, rows):
@@ -764,8 +771,8 @@ def _file_fifth_bits(qh):
 
 
 def _pack_q5_0(b, rows):
-    return _words(rows, np.concatenate([b[:, 0:2], _offset_field(b, 16, "Q5_0"),
-                                        _fifth_words(_file_fifth_bits(b[:, 2:6])), b[:, 6:22]], axis=1))
+    return _fields(rows, np.concatenate([b[:, 0:2], _fifth_words(_file_fifth_bits(b[:, 2:6])), b[:, 6:22]], axis=1),
+                   [2] + [4] * 5)
 
 
 def _pack_q5_1(b, rows):
@@ -811,10 +818,6 @@ def _pack_q6_k(b, rows):
     return _words(rows, np.concatenate([b[:, 208:210], unused, b[:, 192:208], words.reshape(-1, 192)], axis=1))
 
 
-def _pack_iq4_nl(b, rows):
-    return _words(rows, np.concatenate([b[:, 0:2], _offset_field(b, 128, "IQ4_NL"), b[:, 2:18]], axis=1))
-
-
 def _pack_iq4_xs(b, rows):
     s = np.arange(8)
     low = (b[:, 4 + s // 2] >> (4 * (s % 2)).astype(np.uint8)) & 15
@@ -824,11 +827,11 @@ def _pack_iq4_xs(b, rows):
     return _words(rows, np.concatenate([b[:, 0:2], unused, scales.view(np.uint8), b[:, 8:136]], axis=1))
 
 
-REPACK = {"Q8_0": ("R8", _pack_q8_0), "Q4_0": ("R4", _pack_q4_0), "Q4_1": ("R4", _pack_q4_1),
-          "Q5_0": ("R5", _pack_q5_0), "Q5_1": ("R5", _pack_q5_1),
+REPACK = {"Q8_0": ("R8", _pack_q8_0), "Q4_0": ("R40", _pack_q4_0), "Q4_1": ("R4", _pack_q4_1),
+          "Q5_0": ("R50", _pack_q5_0), "Q5_1": ("R5", _pack_q5_1),
           "Q2_K": ("R2K", _pack_q2_k), "Q3_K": ("R3K", _pack_q3_k), "Q4_K": ("R4K", _pack_q4_k),
           "Q5_K": ("R5K", _pack_q5_k),
-          "Q6_K": ("R6", _pack_q6_k), "IQ4_NL": ("R4NL", _pack_iq4_nl), "IQ4_XS": ("R4XS", _pack_iq4_xs)}
+          "Q6_K": ("R6", _pack_q6_k), "IQ4_NL": ("R4NL", _pack_q4_0), "IQ4_XS": ("R4XS", _pack_iq4_xs)}
 
 
 def packed_format(fmt: Format, rows: int) -> Format:
