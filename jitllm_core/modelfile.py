@@ -1,170 +1,18 @@
 """Model files seen the same way whatever their format: a GGUF file or an HF safetensors folder (config.json and
-its tensors) becomes a `Config`, a table of tensors under GGUF's names, and a tokenizer. Values no model has, and
-models the Llama builder would compute wrong (weights it does not read, a rope scaling it does not know), are
-refused here, naming the file and the key.
+its tensors) becomes a `Config` (`architectures`), a table of tensors under GGUF's names, and a tokenizer. Values
+no model has, and models the Llama builder would compute wrong (weights it does not read, a rope scaling it does
+not know), are refused here, naming the file and the key.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from . import architectures as archs
+from .architectures import Config
 from .errors import ModelFileError
-
-@dataclass
-class Config:
-    n_layer: int
-    dim: int
-    n_head: int
-    n_kv: int
-    head_dim: int
-    ffn: int
-    vocab: int
-    eps: float
-    rope_base: float
-    context: int
-    bias: bool = False     # q, k, v biases (Qwen2)
-    qk_norm: bool = False  # each head's query and key RMS-normed before the rope (Qwen3)
-    rope_scaling: dict = field(default_factory=dict)
-    sliding_window: int = 0                       # keys a token sees, itself included (0: every earlier one)
-    full_layers: frozenset = frozenset()          # layers that see every key despite a sliding window
-    nope_layers: frozenset = frozenset()          # layers without rope (SmolLM3's one in 4)
-
-    # Gemma 2 and 3's
-    embed_scale: float = 1.0      # the embedding rows times this (Gemma: sqrt(dim), as an f32)
-    act: str = "silu"             # the MLP gate's activation: "silu" or "gelu_tanh"
-    sandwich: bool = False        # attention and MLP outputs RMS-normed before they join the residual
-    attn_scale: float = 0.0       # the scores' scale (0: 1 / sqrt(head_dim))
-    attn_softcap: float = 0.0     # scores -> cap * tanh(scores / cap) (0: none)
-    final_softcap: float = 0.0    # logits -> cap * tanh(logits / cap) (0: none)
-    local_rope_base: float = 0.0  # the sliding-window layers' rope base, unscaled, where it differs (0: the same)
-    # Granite's (with embed_scale and attn_scale)
-    residual_scale: float = 1.0   # each block's output times this as it joins the residual
-    logit_scale: float = 1.0      # the logits divided by this
-
-    def window(self, layer):
-        """The sliding window of a layer's attention (0: none)."""
-        return 0 if layer in self.full_layers else self.sliding_window
-
-    def check(self, where, keys):
-        """Refuse values no model has (a zero head count, a NaN epsilon...), naming the file and the key each
-        came from (keys: field -> key); they would otherwise divide by zero or turn every logit into NaN."""
-        for f in ("n_layer", "dim", "n_head", "n_kv", "head_dim", "ffn", "vocab", "context"):
-            least = 0 if f == "n_layer" else 1
-            if getattr(self, f) < least:
-                raise ModelFileError(where, f"{keys[f]} is {getattr(self, f)}; it must be at least {least}")
-        if not math.isfinite(self.eps) or self.eps < 0:
-            raise ModelFileError(where, f"{keys['eps']} is {self.eps}; it must be a finite number >= 0")
-        if not math.isfinite(self.rope_base) or self.rope_base <= 0:
-            raise ModelFileError(where, f"{keys['rope_base']} is {self.rope_base}; it must be a finite number > 0")
-
-
-def _number(where, key, value, kind):
-    """A config value as kind (int or float), or an error naming the key: files may hold a string there."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind is int and ok and isinstance(value, float):
-        ok = value.is_integer()
-    if not ok:
-        raise ModelFileError(where, f"{key} is {value!r}; {'a whole number' if kind is int else 'a number'} is needed")
-    return kind(value)
-
-
-# rope scalings computed here -> their parameters, with the default of each that may be left out (None: required)
-ROPE_SCALINGS = {"linear": {"factor": None},
-                 "llama3": {"factor": None, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                            "original_max_position_embeddings": 8192}}
-
-
-def _rope_scaling(where, key, s):
-    """The rope scaling a model asks for, as {"rope_type": kind, parameter: float}; {} for none. A kind not
-    computed here (yarn, dynamic, longrope...) is refused: left out, it would give wrong logits silently."""
-    if not s:
-        return {}
-    if not isinstance(s, dict):
-        raise ModelFileError(where, f"{key} is {s!r}; a table of rope scaling parameters is needed")
-    kind = s.get("rope_type", s.get("type"))
-    if kind in (None, "default", "none"):
-        return {}
-    if kind not in ROPE_SCALINGS:
-        raise ModelFileError(where, f"{key}: rope scaling {kind!r} is not supported ({', '.join(ROPE_SCALINGS)} are)")
-    out = {"rope_type": kind}
-    for name, default in ROPE_SCALINGS[kind].items():
-        v = s.get(name, default)
-        if v is None:
-            raise ModelFileError(where, f"{key}: rope scaling {kind!r} needs {name!r}")
-        out[name] = _number(where, f"{key}.{name}", v, float)
-        if not math.isfinite(out[name]) or out[name] <= 0:
-            raise ModelFileError(where, f"{key}.{name} is {v!r}; it must be a finite number > 0")
-    if kind == "llama3" and out["high_freq_factor"] <= out["low_freq_factor"]:
-        raise ModelFileError(where, f"{key}: high_freq_factor must be above low_freq_factor")
-    return out
-
-
-def _hf_rope(where, c):
-    """(the key of rope theta, its value, the rope scaling) from a config.json: transformers 5 writes theta and the
-    scaling into one rope_parameters table (Gemma 3's: one per layer type, the full layers' here), earlier versions
-    rope_theta and rope_scaling at the top."""
-    key = "rope_parameters" if "rope_parameters" in c else "rope_scaling"
-    table = c.get(key) or {}
-    if isinstance(table, dict) and "full_attention" in table:
-        key, table = f"{key}.full_attention", table["full_attention"]
-    partial = (table if isinstance(table, dict) else {}).get("partial_rotary_factor", c.get("partial_rotary_factor", 1))
-    if partial != 1:  # a rope over part of each head
-        raise ModelFileError(where, f"partial_rotary_factor is {partial!r}; a rope over part of a head is not "
-                                    "supported")
-    scaling = _rope_scaling(where, key, table)  # also refuses a table that is not one
-    if key.startswith("rope_parameters"):
-        theta_key, theta = f"{key}.rope_theta", table.get("rope_theta")
-    else:
-        theta_key, theta = "rope_theta", c.get("rope_theta")
-    return theta_key, _number(where, theta_key, 1e4 if theta is None else theta, float), scaling
-
-
-def _nope_layers(where, c, n_layer):
-    """SmolLM3's layers without rope: no_rope_layers lists 1 for a layer with rope, 0 for one without."""
-    flags = c.get("no_rope_layers")
-    if flags is None:
-        every = c.get("no_rope_layer_interval", NOPE_EVERY)
-        return _full_every(n_layer, _number(where, "no_rope_layer_interval", every, int))
-    if not isinstance(flags, list) or len(flags) != n_layer or any(f not in (0, 1) for f in flags):
-        raise ModelFileError(where, f"no_rope_layers must list {n_layer} of 0 or 1")
-    return frozenset(i for i, f in enumerate(flags) if f == 0)
-
-
-def _hf_local_rope_base(where, c):
-    """Gemma 3's sliding-window layers' rope base (unscaled): transformers 5's rope_parameters.sliding_attention, or
-    rope_local_base_freq (None: not given)."""
-    local = (c.get("rope_parameters") or {}).get("sliding_attention")
-    if local is not None:
-        if _rope_scaling(where, "rope_parameters.sliding_attention", local):
-            raise ModelFileError(where, "rope_parameters.sliding_attention: a scaled local rope is not supported")
-        return _number(where, "rope_parameters.sliding_attention.rope_theta", local.get("rope_theta", 1e4), float)
-    base = c.get("rope_local_base_freq")
-    return None if base is None else _number(where, "rope_local_base_freq", base, float)
-
-
-def _sliding_window(where, c, n_layer):
-    """(config.json's sliding window: the keys a token sees, itself included (0: none), the layers that see every
-    key nonetheless): those its layer_types names "full_attention", else Qwen2's first max_window_layers (as
-    transformers reads them), else none."""
-    window = c.get("sliding_window")
-    if window is None or (c["model_type"] == "qwen2" and not c.get("use_sliding_window")):
-        return 0, frozenset()
-    window = _number(where, "sliding_window", window, int)
-    if window < 1:
-        raise ModelFileError(where, f"sliding_window is {window}; it must be at least 1")
-    types = c.get("layer_types")
-    if types is not None:
-        kinds = ("full_attention", "sliding_attention")
-        if not isinstance(types, list) or len(types) != n_layer or any(t not in kinds for t in types):
-            raise ModelFileError(where, f"layer_types must list {n_layer} of {' or '.join(map(repr, kinds))}")
-        return window, frozenset(i for i, t in enumerate(types) if t == "full_attention")
-    if c["model_type"] == "qwen2":
-        first = _number(where, "max_window_layers", c.get("max_window_layers", 28), int)
-        return window, frozenset(range(min(n_layer, first)))
-    return window, frozenset()
 
 
 def _refuse_unused(where, names):
@@ -175,47 +23,6 @@ def _refuse_unused(where, names):
         more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
         raise ModelFileError(where, f"tensor {first!r}{more} is not used by the architecture as jitllm computes it, "
                                     "so this model is not supported")
-
-
-GGUF_ARCHS = ("llama", "smollm3", "granite", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
-# GGUF architectures whose query and key rows rotate halves (`_rope_pairs`)
-HALVES_ARCHS = ("qwen2", "qwen3", "phi3", "gemma2", "gemma3")
-HF_TYPES = ("llama", "smollm3", "granite", "qwen2", "qwen3", "mistral", "phi3", "gemma2",  # config.json model_type
-            "gemma3_text")
-# SmolLM3's layers without rope, one in this many (the last of each run), where a file does not list them
-NOPE_EVERY = 4
-# Gemma's layers that see every key, one in this many (the last of each run), where a file does not list them
-GEMMA_FULL_EVERY = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
-GEMMA_LOCAL_ROPE_BASE = 10000.0  # Gemma 3's sliding-window layers' rope base where a file does not say it
-
-
-def _gemma(cfg, kind, attn_softcap=0.0, final_softcap=0.0, query_scalar=None, local_rope_base=None):
-    """Gemma 2 / 3's features on a Config: scaled embeddings, GELU, sandwich norms, Gemma 3's per-head norms and
-    local rope base, Gemma 2's caps."""
-    cfg.embed_scale = float(np.float32(math.sqrt(cfg.dim)))
-    cfg.act, cfg.sandwich, cfg.qk_norm = "gelu_tanh", True, kind.startswith("gemma3")
-    cfg.attn_softcap, cfg.final_softcap = float(attn_softcap or 0.0), float(final_softcap or 0.0)
-    if query_scalar and query_scalar != cfg.head_dim:
-        cfg.attn_scale = query_scalar ** -0.5
-    if cfg.qk_norm:
-        cfg.local_rope_base = local_rope_base or GEMMA_LOCAL_ROPE_BASE
-
-
-# Granite's multipliers: embedding, residual, attention scores, logits (divided by the last)
-GRANITE_HF = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
-GRANITE_GGUF = ("embedding_scale", "residual_scale", "attention.scale", "logit_scale")
-
-
-def _granite(cfg, embed, residual, attention, logits):
-    """Granite's multipliers on a Config (a llama's are all 1 but attention's: 1 / sqrt(head_dim))."""
-    cfg.embed_scale, cfg.residual_scale, cfg.logit_scale = embed, residual, logits
-    if attention != 1.0:
-        cfg.attn_scale = attention
-
-
-def _full_every(n_layer, k):
-    """The layers that see every key when one in k does (the last of each run of k)."""
-    return frozenset(i for i in range(n_layer) if (i + 1) % k == 0)
 
 
 @dataclass
@@ -264,9 +71,9 @@ class ModelFile(_Tensors):
         from .tokenizer import Tokenizer
         g = self.gguf = GGUFFile(self.path)
         arch = g.get("general.architecture")
-        if arch not in GGUF_ARCHS:
-            raise ModelFileError(self.path, f"architecture {arch!r} is not supported ({', '.join(GGUF_ARCHS)})")
-        p = lambda key, kind, *d: _number(self.path, f"{arch}.{key}", g.get(f"{arch}.{key}", *d), kind)
+        if arch not in archs.GGUF_ARCHS:
+            raise ModelFileError(self.path, f"architecture {arch!r} is not supported ({', '.join(archs.GGUF_ARCHS)})")
+        p = lambda key, kind, *d: archs.number(self.path, f"{arch}.{key}", g.get(f"{arch}.{key}", *d), kind)
         n_head = p("attention.head_count", int)
         dim = p("embedding_length", int)
         emb = g.tensors.get("token_embd.weight")
@@ -279,7 +86,7 @@ class ModelFile(_Tensors):
             eps=p("attention.layer_norm_rms_epsilon", float),
             rope_base=p("rope.freq_base", float, 10000.0), context=p("context_length", int), bias=arch == "qwen2",
             qk_norm=arch == "qwen3",
-            rope_scaling=_rope_scaling(self.path, f"{arch}.rope.scaling", self._gguf_rope_scaling(arch)))
+            rope_scaling=archs.rope_scaling(self.path, f"{arch}.rope.scaling", self._gguf_rope_scaling(arch)))
         self.config.check(self.path, dict(
             n_layer=f"{arch}.block_count", dim=f"{arch}.embedding_length", n_head=f"{arch}.attention.head_count",
             n_kv=f"{arch}.attention.head_count_kv", head_dim=head_key,
@@ -289,20 +96,20 @@ class ModelFile(_Tensors):
         if arch.startswith("gemma"):
             # llama.cpp scales the scores of its 27B Gemmas by the embedding per head, not the head size
             big = (arch, self.config.n_layer) in (("gemma2", 46), ("gemma3", 62))
-            _gemma(self.config, arch, p("attn_logit_softcapping", float, 0.0), p("final_logit_softcapping", float, 0.0),
-                   dim / n_head if big else None)
+            caps = [p(key, float, 0.0) for key in ("attn_logit_softcapping", "final_logit_softcapping")]
+            archs.gemma(self.config, arch, *caps, dim / n_head if big else None)
             self.config.sliding_window = p("attention.sliding_window", int, 0)
-            self.config.full_layers = _full_every(self.config.n_layer, GEMMA_FULL_EVERY[arch])
+            self.config.full_layers = archs.full_every(self.config.n_layer, archs.GEMMA_FULL_EVERY[arch])
         if arch == "phi3":  # all its layers slide, where the file says so
             self.config.sliding_window = p("attention.sliding_window", int, 0)
         if arch == "smollm3":
-            self.config.nope_layers = _full_every(self.config.n_layer, NOPE_EVERY)
+            self.config.nope_layers = archs.full_every(self.config.n_layer, archs.NOPE_EVERY)
         if arch == "granite":
-            _granite(self.config, *(p(k, float, 1.0) for k in GRANITE_GGUF))
+            archs.granite(self.config, *(p(k, float, 1.0) for k in archs.GRANITE_GGUF))
         self.tensors = {n: Tensor(n, t.shape, t.type_name, (lambda n=n: g.raw(n))) for n, t in g.tensors.items()}
         self._split_fused(arch == "phi3")
         _refuse_unused(self.path, set(self.tensors) - self.tensor_names())
-        if arch in HALVES_ARCHS:
+        if arch in archs.HALVES_ARCHS:
             self._rope_pairs()
         self.tokenizer = Tokenizer.from_gguf(g)
         if self.tokenizer.vocab_size > self.config.vocab:  # the embedding would be read past its last row
@@ -370,8 +177,8 @@ class ModelFile(_Tensors):
     def _rope_pairs(self):
         """The rope kernel rotates each head's adjacent pairs, as llama GGUF files store the query and key rows; HF
         models rotate the two halves of a head, and llama.cpp's converter keeps that order for Qwen, Phi-3 and Gemma
-        files (HALVES_ARCHS: its rope there is "neox"). Such rows -- with their biases and per-head norms -- are
-        reordered to pairs as they load."""
+        files (`architectures.HALVES_ARCHS`: its rope there is "neox"). Such rows -- with their biases and per-head
+        norms -- are reordered to pairs as they load."""
         cfg = self.config
         for i in range(cfg.n_layer):
             for g, heads in (("attn_q", cfg.n_head), ("attn_k", cfg.n_kv)):
@@ -407,15 +214,15 @@ class ModelFile(_Tensors):
                 if default is None:
                     raise ModelFileError(where, f"missing key {key!r}")
                 v = default
-            return v if kind is None else _number(where, key, v, kind)
-        if need("model_type") not in HF_TYPES:
+            return v if kind is None else archs.number(where, key, v, kind)
+        if need("model_type") not in archs.HF_TYPES:
             raise ModelFileError(where, f"model_type {c['model_type']!r} is not supported")
         gemma = c["model_type"].startswith("gemma")
         act_key, acts = ("hidden_activation", ("gelu_pytorch_tanh",)) if gemma else ("hidden_act", ("silu", "swish"))
         if c.get(act_key, acts[0]) not in acts:
             raise ModelFileError(where, f"{act_key} {c[act_key]!r} is not supported ({', '.join(acts)})")
         n_head, dim = need("num_attention_heads", int), need("hidden_size", int)
-        theta_key, theta, scaling = _hf_rope(where, c)
+        theta_key, theta, scaling = archs.hf_rope(where, c)
         self.config = Config(
             n_layer=need("num_hidden_layers", int), dim=dim, n_head=n_head,
             n_kv=need("num_key_value_heads", int, n_head),
@@ -424,18 +231,18 @@ class ModelFile(_Tensors):
             rope_base=theta, context=need("max_position_embeddings", int, 4096), bias=c["model_type"] == "qwen2",
             qk_norm=c["model_type"] == "qwen3", rope_scaling=scaling)
         cfg = self.config
-        cfg.sliding_window, cfg.full_layers = _sliding_window(where, c, cfg.n_layer)
+        cfg.sliding_window, cfg.full_layers = archs.sliding_window(where, c, cfg.n_layer)
         if c["model_type"] == "smollm3":
-            cfg.nope_layers = _nope_layers(where, c, cfg.n_layer)
+            cfg.nope_layers = archs.nope_layers(where, c, cfg.n_layer)
         if c["model_type"] == "granite":
-            _granite(cfg, *(need(k, float, 1.0) for k in GRANITE_HF))
+            archs.granite(cfg, *(need(k, float, 1.0) for k in archs.GRANITE_HF))
         if gemma:
             caps = [need(key, float, 0.0) for key in ("attn_logit_softcapping", "final_logit_softcapping")]
-            _gemma(cfg, c["model_type"], *caps, need("query_pre_attn_scalar", float, cfg.head_dim),
-                   _hf_local_rope_base(where, c))
+            archs.gemma(cfg, c["model_type"], *caps, need("query_pre_attn_scalar", float, cfg.head_dim),
+                   archs.hf_local_rope_base(where, c))
             if c.get("layer_types") is None:  # older files: one layer in sliding_window_pattern sees every key
-                every = c.get("sliding_window_pattern", GEMMA_FULL_EVERY[c["model_type"]])
-                cfg.full_layers = _full_every(cfg.n_layer, _number(where, "sliding_window_pattern", every, int))
+                every = archs.GEMMA_FULL_EVERY[c["model_type"]]
+                cfg.full_layers = archs.full_every(cfg.n_layer, need("sliding_window_pattern", int, every))
         cfg.check(where, dict(n_layer="num_hidden_layers", dim="hidden_size", n_head="num_attention_heads",
                               n_kv="num_key_value_heads", head_dim="head_dim", ffn="intermediate_size",
                               vocab="vocab_size", eps="rms_norm_eps", rope_base=theta_key,
@@ -488,7 +295,7 @@ class ModelFile(_Tensors):
         if kind == "linear":  # positions divided by the factor
             inv = inv / cfg.rope_scaling["factor"]
         elif kind == "llama3":
-            inv = _llama3_scaling(inv, cfg.rope_scaling)
+            inv = archs.llama3_scaling(inv, cfg.rope_scaling)
         return inv.astype(np.float32)
 
 
@@ -516,13 +323,3 @@ def _permute_rows(raw, t, n_heads):
     """Reorder each head's rows (or bias entries) from HF's two halves to GGUF's interleaved pairs."""
     hd = t.shape[0] // n_heads
     return np.ascontiguousarray(raw.reshape(n_heads, 2, hd // 2, -1).swapaxes(1, 2)).reshape(-1)
-
-
-def _llama3_scaling(inv, s):
-    factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
-    old = s.get("original_max_position_embeddings", 8192)
-    wavelen = 2 * math.pi / inv
-    smooth = (old / wavelen - lo) / (hi - lo)
-    scaled = np.where(wavelen > old / lo, inv / factor, inv)
-    mid = (wavelen <= old / lo) & (wavelen >= old / hi)
-    return np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)

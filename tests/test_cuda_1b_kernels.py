@@ -6,7 +6,8 @@ import re
 import pytest
 
 from jitllm_core.llama import interleaves, model_kernels
-from jitllm_core.modelfile import Config, SpecFile
+from jitllm_core.architectures import Config
+from jitllm_core.modelfile import SpecFile
 
 jitllm_cuda = pytest.importorskip("jitllm_cuda", reason="the jitllm-cuda plugin is not installed")
 from jitllm_cuda.backend import CudaBackend  # noqa: E402

@@ -397,11 +397,12 @@ def test_rope_scaling_of_a_gguf(tmp_path):
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0}}, "above low_freq_factor"),
 ])
 def test_rope_of_a_config_json(tmp_path, rope, want):
-    from jitllm_core.modelfile import ModelFile, _hf_rope
+    from jitllm_core.architectures import hf_rope
+    from jitllm_core.modelfile import ModelFile
     config = {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 8, "num_attention_heads": 2,
               "intermediate_size": 16, "vocab_size": 3, "rms_norm_eps": 1e-5, **rope}
     if isinstance(want, tuple):
-        assert _hf_rope(tmp_path / "config.json", config)[1:] == want
+        assert hf_rope(tmp_path / "config.json", config)[1:] == want
         return
     folder = hf_folder(tmp_path, {"model.safetensors": safetensors_bytes({"w": ("F32", W)})})
     (folder / "config.json").write_text(json.dumps(config))
@@ -435,16 +436,16 @@ def test_sliding_windows_of_a_config_json(tmp_path):
     """(window, layers that see every key) as transformers reads them: Mistral's every layer; Qwen2's only with
     use_sliding_window, from max_window_layers on; layer_types where the file lists them."""
     from jitllm_core.errors import ModelFileError
-    from jitllm_core.modelfile import _sliding_window
+    from jitllm_core.architectures import sliding_window
     where = tmp_path / "config.json"
-    assert _sliding_window(where, {"model_type": "mistral", "sliding_window": 4096}, 4) == (4096, frozenset())
-    assert _sliding_window(where, {"model_type": "mistral", "sliding_window": None}, 4) == (0, frozenset())
+    assert sliding_window(where, {"model_type": "mistral", "sliding_window": 4096}, 4) == (4096, frozenset())
+    assert sliding_window(where, {"model_type": "mistral", "sliding_window": None}, 4) == (0, frozenset())
     off = {"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False}
-    assert _sliding_window(where, off, 4) == (0, frozenset())
+    assert sliding_window(where, off, 4) == (0, frozenset())
     on = {"model_type": "qwen2", "sliding_window": 512, "use_sliding_window": True, "max_window_layers": 3}
-    assert _sliding_window(where, on, 4) == (512, frozenset({0, 1, 2}))
+    assert sliding_window(where, on, 4) == (512, frozenset({0, 1, 2}))
     types = ["full_attention", "sliding_attention"] * 2
-    assert _sliding_window(where, {**on, "layer_types": types}, 4) == (512, frozenset({0, 2}))
+    assert sliding_window(where, {**on, "layer_types": types}, 4) == (512, frozenset({0, 2}))
     for bad in ({**on, "layer_types": types[:3]}, {**on, "layer_types": ["global"] * 4}, {**on, "sliding_window": 0}):
         with pytest.raises(ModelFileError):
-            _sliding_window(where, bad, 4)
+            sliding_window(where, bad, 4)

@@ -1,0 +1,229 @@
+"""What the architectures jitllm computes are made of, read from a config.json or a GGUF file's keys: the `Config`
+(the Llama block's shapes and the features some architectures add to it) and the readers of those features -- rope
+scalings, sliding windows, Gemma's, Granite's and SmolLM3's -- each refusing values no model has by name. The
+files themselves are read in `modelfile`."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import ModelFileError
+
+
+@dataclass
+class Config:
+    n_layer: int
+    dim: int
+    n_head: int
+    n_kv: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    eps: float
+    rope_base: float
+    context: int
+    bias: bool = False     # q, k, v biases (Qwen2)
+    qk_norm: bool = False  # each head's query and key RMS-normed before the rope (Qwen3)
+    rope_scaling: dict = field(default_factory=dict)
+    sliding_window: int = 0                       # keys a token sees, itself included (0: every earlier one)
+    full_layers: frozenset = frozenset()          # layers that see every key despite a sliding window
+    nope_layers: frozenset = frozenset()          # layers without rope (SmolLM3's one in 4)
+
+    # Gemma 2 and 3's
+    embed_scale: float = 1.0      # the embedding rows times this (Gemma: sqrt(dim), as an f32)
+    act: str = "silu"             # the MLP gate's activation: "silu" or "gelu_tanh"
+    sandwich: bool = False        # attention and MLP outputs RMS-normed before they join the residual
+    attn_scale: float = 0.0       # the scores' scale (0: 1 / sqrt(head_dim))
+    attn_softcap: float = 0.0     # scores -> cap * tanh(scores / cap) (0: none)
+    final_softcap: float = 0.0    # logits -> cap * tanh(logits / cap) (0: none)
+    local_rope_base: float = 0.0  # the sliding-window layers' rope base, unscaled, where it differs (0: the same)
+    # Granite's (with embed_scale and attn_scale)
+    residual_scale: float = 1.0   # each block's output times this as it joins the residual
+    logit_scale: float = 1.0      # the logits divided by this
+
+    def window(self, layer):
+        """The sliding window of a layer's attention (0: none)."""
+        return 0 if layer in self.full_layers else self.sliding_window
+
+    def check(self, where, keys):
+        """Refuse values no model has (a zero head count, a NaN epsilon...), naming the file and the key each
+        came from (keys: field -> key); they would otherwise divide by zero or turn every logit into NaN."""
+        for f in ("n_layer", "dim", "n_head", "n_kv", "head_dim", "ffn", "vocab", "context"):
+            least = 0 if f == "n_layer" else 1
+            if getattr(self, f) < least:
+                raise ModelFileError(where, f"{keys[f]} is {getattr(self, f)}; it must be at least {least}")
+        if not math.isfinite(self.eps) or self.eps < 0:
+            raise ModelFileError(where, f"{keys['eps']} is {self.eps}; it must be a finite number >= 0")
+        if not math.isfinite(self.rope_base) or self.rope_base <= 0:
+            raise ModelFileError(where, f"{keys['rope_base']} is {self.rope_base}; it must be a finite number > 0")
+
+
+def number(where, key, value, kind):
+    """A config value as kind (int or float), or an error naming the key: files may hold a string there."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int and ok and isinstance(value, float):
+        ok = value.is_integer()
+    if not ok:
+        raise ModelFileError(where, f"{key} is {value!r}; {'a whole number' if kind is int else 'a number'} is needed")
+    return kind(value)
+
+
+# rope scalings computed here -> their parameters, with the default of each that may be left out (None: required)
+ROPE_SCALINGS = {"linear": {"factor": None},
+                 "llama3": {"factor": None, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192}}
+
+
+def rope_scaling(where, key, s):
+    """The rope scaling a model asks for, as {"rope_type": kind, parameter: float}; {} for none. A kind not
+    computed here (yarn, dynamic, longrope...) is refused: left out, it would give wrong logits silently."""
+    if not s:
+        return {}
+    if not isinstance(s, dict):
+        raise ModelFileError(where, f"{key} is {s!r}; a table of rope scaling parameters is needed")
+    kind = s.get("rope_type", s.get("type"))
+    if kind in (None, "default", "none"):
+        return {}
+    if kind not in ROPE_SCALINGS:
+        raise ModelFileError(where, f"{key}: rope scaling {kind!r} is not supported ({', '.join(ROPE_SCALINGS)} are)")
+    out = {"rope_type": kind}
+    for name, default in ROPE_SCALINGS[kind].items():
+        v = s.get(name, default)
+        if v is None:
+            raise ModelFileError(where, f"{key}: rope scaling {kind!r} needs {name!r}")
+        out[name] = number(where, f"{key}.{name}", v, float)
+        if not math.isfinite(out[name]) or out[name] <= 0:
+            raise ModelFileError(where, f"{key}.{name} is {v!r}; it must be a finite number > 0")
+    if kind == "llama3" and out["high_freq_factor"] <= out["low_freq_factor"]:
+        raise ModelFileError(where, f"{key}: high_freq_factor must be above low_freq_factor")
+    return out
+
+
+def hf_rope(where, c):
+    """(the key of rope theta, its value, the rope scaling) from a config.json: transformers 5 writes theta and the
+    scaling into one rope_parameters table (Gemma 3's: one per layer type, the full layers' here), earlier versions
+    rope_theta and rope_scaling at the top."""
+    key = "rope_parameters" if "rope_parameters" in c else "rope_scaling"
+    table = c.get(key) or {}
+    if isinstance(table, dict) and "full_attention" in table:
+        key, table = f"{key}.full_attention", table["full_attention"]
+    partial = (table if isinstance(table, dict) else {}).get("partial_rotary_factor", c.get("partial_rotary_factor", 1))
+    if partial != 1:  # a rope over part of each head
+        raise ModelFileError(where, f"partial_rotary_factor is {partial!r}; a rope over part of a head is not "
+                                    "supported")
+    scaling = rope_scaling(where, key, table)  # also refuses a table that is not one
+    if key.startswith("rope_parameters"):
+        theta_key, theta = f"{key}.rope_theta", table.get("rope_theta")
+    else:
+        theta_key, theta = "rope_theta", c.get("rope_theta")
+    return theta_key, number(where, theta_key, 1e4 if theta is None else theta, float), scaling
+
+
+def nope_layers(where, c, n_layer):
+    """SmolLM3's layers without rope: no_rope_layers lists 1 for a layer with rope, 0 for one without."""
+    flags = c.get("no_rope_layers")
+    if flags is None:
+        every = c.get("no_rope_layer_interval", NOPE_EVERY)
+        return full_every(n_layer, number(where, "no_rope_layer_interval", every, int))
+    if not isinstance(flags, list) or len(flags) != n_layer or any(f not in (0, 1) for f in flags):
+        raise ModelFileError(where, f"no_rope_layers must list {n_layer} of 0 or 1")
+    return frozenset(i for i, f in enumerate(flags) if f == 0)
+
+
+def hf_local_rope_base(where, c):
+    """Gemma 3's sliding-window layers' rope base (unscaled): transformers 5's rope_parameters.sliding_attention, or
+    rope_local_base_freq (None: not given)."""
+    local = (c.get("rope_parameters") or {}).get("sliding_attention")
+    if local is not None:
+        if rope_scaling(where, "rope_parameters.sliding_attention", local):
+            raise ModelFileError(where, "rope_parameters.sliding_attention: a scaled local rope is not supported")
+        return number(where, "rope_parameters.sliding_attention.rope_theta", local.get("rope_theta", 1e4), float)
+    base = c.get("rope_local_base_freq")
+    return None if base is None else number(where, "rope_local_base_freq", base, float)
+
+
+def sliding_window(where, c, n_layer):
+    """(config.json's sliding window: the keys a token sees, itself included (0: none), the layers that see every
+    key nonetheless): those its layer_types names "full_attention", else Qwen2's first max_window_layers (as
+    transformers reads them), else none."""
+    window = c.get("sliding_window")
+    if window is None or (c["model_type"] == "qwen2" and not c.get("use_sliding_window")):
+        return 0, frozenset()
+    window = number(where, "sliding_window", window, int)
+    if window < 1:
+        raise ModelFileError(where, f"sliding_window is {window}; it must be at least 1")
+    types = c.get("layer_types")
+    if types is not None:
+        kinds = ("full_attention", "sliding_attention")
+        if not isinstance(types, list) or len(types) != n_layer or any(t not in kinds for t in types):
+            raise ModelFileError(where, f"layer_types must list {n_layer} of {' or '.join(map(repr, kinds))}")
+        return window, frozenset(i for i, t in enumerate(types) if t == "full_attention")
+    if c["model_type"] == "qwen2":
+        first = number(where, "max_window_layers", c.get("max_window_layers", 28), int)
+        return window, frozenset(range(min(n_layer, first)))
+    return window, frozenset()
+
+
+GGUF_ARCHS = ("llama", "smollm3", "granite", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+
+
+# GGUF architectures whose query and key rows rotate halves (`_rope_pairs`)
+HALVES_ARCHS = ("qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+
+
+HF_TYPES = ("llama", "smollm3", "granite", "qwen2", "qwen3", "mistral", "phi3", "gemma2",  # config.json model_type
+            "gemma3_text")
+
+
+# SmolLM3's layers without rope, one in this many (the last of each run), where a file does not list them
+NOPE_EVERY = 4
+
+
+# Gemma's layers that see every key, one in this many (the last of each run), where a file does not list them
+GEMMA_FULL_EVERY = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
+
+
+GEMMA_LOCAL_ROPE_BASE = 10000.0  # Gemma 3's sliding-window layers' rope base where a file does not say it
+
+
+def gemma(cfg, kind, attn_softcap=0.0, final_softcap=0.0, query_scalar=None, local_rope_base=None):
+    """Gemma 2 / 3's features on a Config: scaled embeddings, GELU, sandwich norms, Gemma 3's per-head norms and
+    local rope base, Gemma 2's caps."""
+    cfg.embed_scale = float(np.float32(math.sqrt(cfg.dim)))
+    cfg.act, cfg.sandwich, cfg.qk_norm = "gelu_tanh", True, kind.startswith("gemma3")
+    cfg.attn_softcap, cfg.final_softcap = float(attn_softcap or 0.0), float(final_softcap or 0.0)
+    if query_scalar and query_scalar != cfg.head_dim:
+        cfg.attn_scale = query_scalar ** -0.5
+    if cfg.qk_norm:
+        cfg.local_rope_base = local_rope_base or GEMMA_LOCAL_ROPE_BASE
+
+
+# Granite's multipliers: embedding, residual, attention scores, logits (divided by the last)
+GRANITE_HF = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+
+
+GRANITE_GGUF = ("embedding_scale", "residual_scale", "attention.scale", "logit_scale")
+
+
+def granite(cfg, embed, residual, attention, logits):
+    """Granite's multipliers on a Config (a llama's are all 1 but attention's: 1 / sqrt(head_dim))."""
+    cfg.embed_scale, cfg.residual_scale, cfg.logit_scale = embed, residual, logits
+    if attention != 1.0:
+        cfg.attn_scale = attention
+
+
+def full_every(n_layer, k):
+    """The layers that see every key when one in k does (the last of each run of k)."""
+    return frozenset(i for i in range(n_layer) if (i + 1) % k == 0)
+
+
+def llama3_scaling(inv, s):
+    factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old = s.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / inv
+    smooth = (old / wavelen - lo) / (hi - lo)
+    scaled = np.where(wavelen > old / lo, inv / factor, inv)
+    mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+    return np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
