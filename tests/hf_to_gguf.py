@@ -1,11 +1,13 @@
 """A transformers model written to GGUF as llama.cpp's converter (convert_hf_to_gguf.py) writes it: GGUF tensor
-names, the architecture's keys, the default model's tokenizer, 2-D weights in a chosen ggml type. For `llama` the
-converter reorders each head's query and key rows to adjacent rope pairs; for `qwen2` and `qwen3` it keeps HF's
-order (llama.cpp rotates their halves, "neox" rope) -- what the engine must undo as it loads them. Gemma's norms
-are written as 1 + w (what they scale by), its sliding window and caps as keys of their own."""
+names, the architecture's keys, the default model's tokenizer, 2-D weights in a chosen ggml type. For `llama`,
+`smollm3` and `granite` the converter reorders each head's query and key rows to adjacent rope pairs; for Qwen,
+Phi-3 and Gemma it keeps HF's order (llama.cpp rotates their halves, "neox" rope) -- what the engine must undo as
+it loads them. Gemma's norms are written as 1 + w (what they scale by), its sliding window and caps, and Granite's
+multipliers, as keys of their own."""
 import numpy as np
+import pytest
 
-gguf = __import__("pytest").importorskip("gguf")
+gguf = pytest.importorskip("gguf")
 
 NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",

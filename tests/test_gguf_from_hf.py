@@ -20,13 +20,13 @@ transformers = pytest.importorskip("transformers")
 # Gemmas as transformers reads them from a GGUF file, which names neither their caps (Gemma 2's defaults, 50 and
 # 30) nor which layers see every key (one in 2, one in 6: six layers, so that Gemma 3 has one) nor Gemma 3's ropes;
 # their LM head is the embedding
-GEMMA = {**GEMMA, "tie_word_embeddings": True}
+GEMMA_TIED = {**GEMMA, "tie_word_embeddings": True}
 GGUF_VARIANTS = {"phi3-gguf": ("Phi3Config", "float32", {"rope_theta": 1e4}, {}),  # no window: transformers reads none
-                 "gemma2-gguf": ("Gemma2Config", "float32", {"rope_theta": 1e4}, GEMMA),
+                 "gemma2-gguf": ("Gemma2Config", "float32", {"rope_theta": 1e4}, GEMMA_TIED),
                  "gemma3-gguf": ("Gemma3TextConfig", "float32", {
                      "full_attention": {"rope_type": "default", "rope_theta": 1e6},
                      "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
-                     {**GEMMA, "num_hidden_layers": 6})}
+                     {**GEMMA_TIED, "num_hidden_layers": 6})}
 
 ARCHS = {"llama": "llama-f32", "qwen2": "qwen2-f32", "qwen3": "qwen3-f32",  # arch -> HF variant
          "phi3": "phi3-gguf", "gemma2": "gemma2-gguf", "gemma3": "gemma3-gguf"}
@@ -38,9 +38,8 @@ def gguf_models(tmp_path_factory, default_model):
                                                            gguf_file=os.path.basename(default_model))
     root = tmp_path_factory.mktemp("gguf_from_hf")
     out = {}
-    VARIANTS.update(GGUF_VARIANTS)
     for arch, variant in ARCHS.items():
-        model = _build(root / variant, variant, tokenizer)
+        model = _build(root / variant, variant, tokenizer, {**VARIANTS, **GGUF_VARIANTS}[variant])
         out[arch] = (hf_to_gguf.write(model, arch, root / f"{arch}.gguf", default_model), model)
     return out
 

@@ -82,13 +82,14 @@ def hf_tokenizer(default_model):
                                                       gguf_file=os.path.basename(default_model))
 
 
-def _build(folder, variant, tokenizer):
-    """Writes a random model of `variant` into `folder`; returns that folder's model loaded as float32.
+def _build(folder, variant, tokenizer, spec=None):
+    """Writes a random model of `variant` (or of `spec`, a VARIANTS entry) into `folder`; returns that folder's
+    model loaded as float32.
 
     The reference is loaded back from the folder rather than upcast in memory: `.to(float16)` would also
     round the rotary inverse frequencies (a buffer that is not saved), which moves later positions by 1e-2.
     """
-    cls_name, dtype, rope, *shape = VARIANTS[variant]
+    cls_name, dtype, rope, *shape = spec or VARIANTS[variant]
     config = getattr(transformers, cls_name)(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                                              eos_token_id=tokenizer.eos_token_id, rope_parameters=rope,
                                              **{**SHAPE, **(shape[0] if shape else {})})
