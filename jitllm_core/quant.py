@@ -168,12 +168,17 @@ def _k4_scale_min(k, buf, base, s):
 class Q4_K(Format):
     halves = (0, 2)
     # d, dmin (f16), 12 bytes of packed 6-bit scales/mins, 128 bytes of nibbles; group p covers sub-blocks 2p, 2p+1
+    def quants(self, k, buf, base, p, l):
+        """q of elements 64p + l and 64p + 32 + l: byte l of group p's nibbles"""
+        q = k.load(buf, base + 16 + p * 32 + l)
+        return q & 15, q >> 4
+
     def terms(self, k, buf, base, p, l):
         d, dmin = _half(k, buf, base), _half(k, buf, base + 2)
         sc0, m0 = _k4_scale_min(k, buf, base, p * 2)
         sc1, m1 = _k4_scale_min(k, buf, base, p * 2 + 1)
-        q = k.load(buf, base + 16 + p * 32 + l)
-        return [(p * 64 + l, (d * sc0) * F(q & 15) - dmin * m0), (p * 64 + 32 + l, (d * sc1) * F(q >> 4) - dmin * m1)]
+        q0, q1 = self.quants(k, buf, base, p, l)
+        return [(p * 64 + l, (d * sc0) * F(q0) - dmin * m0), (p * 64 + 32 + l, (d * sc1) * F(q1) - dmin * m1)]
 
     # wide form: 8 lanes a block, lane e reading bytes 4e..4e+3 of every group (32 weights), so that the scales a
     # lane decodes serve 32 weights, not 8 (lane e of each group, the default, decodes all 8 pairs for 8 weights)
@@ -186,23 +191,18 @@ class Q4_K(Format):
             sc0, m0 = _k4_scale_min(k, buf, base, p * 2)
             sc1, m1 = _k4_scale_min(k, buf, base, p * 2 + 1)
             for i in range(4):
-                q = k.load(buf, base + 16 + p * 32 + e * 4 + i)
-                out += [(p * 64 + e * 4 + i, (d * sc0) * F(q & 15) - dmin * m0),
-                        (p * 64 + 32 + e * 4 + i, (d * sc1) * F(q >> 4) - dmin * m1)]
+                q0, q1 = self.quants(k, buf, base, p, e * 4 + i)
+                out += [(p * 64 + e * 4 + i, (d * sc0) * F(q0) - dmin * m0),
+                        (p * 64 + 32 + e * 4 + i, (d * sc1) * F(q1) - dmin * m1)]
         return out
 
 
-class Q5_K(Format):
-    halves = (0, 2)
+class Q5_K(Q4_K):
     # Q4_K's d, dmin and packed scales, then qh (32 bytes: bit 2p of byte l is the fifth bit of element l of
-    # sub-block 2p, bit 2p + 1 of sub-block 2p + 1's) and the 128 bytes of low nibbles; group p: sub-blocks 2p, 2p+1
-    def terms(self, k, buf, base, p, l):
-        d, dmin = _half(k, buf, base), _half(k, buf, base + 2)
-        sc0, m0 = _k4_scale_min(k, buf, base, p * 2)
-        sc1, m1 = _k4_scale_min(k, buf, base, p * 2 + 1)
+    # sub-block 2p, bit 2p + 1 of sub-block 2p + 1's) and the 128 bytes of low nibbles; Q4_K's values and wide form
+    def quants(self, k, buf, base, p, l):
         qh, q = k.load(buf, base + 16 + l), k.load(buf, base + 48 + p * 32 + l)
-        return [(p * 64 + l, (d * sc0) * F((q & 15) | _bit5(qh, 2 * p)) - dmin * m0),
-                (p * 64 + 32 + l, (d * sc1) * F((q >> 4) | _bit5(qh, 2 * p + 1)) - dmin * m1)]
+        return (q & 15) | _bit5(qh, 2 * p), (q >> 4) | _bit5(qh, 2 * p + 1)
 
 
 class Q2_K(Format):
