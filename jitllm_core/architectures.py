@@ -126,7 +126,7 @@ def nope_layers(where, c, n_layer):
     flags = c.get("no_rope_layers")
     if flags is None:
         every = c.get("no_rope_layer_interval", NOPE_EVERY)
-        return full_every(n_layer, number(where, "no_rope_layer_interval", every, int))
+        return every_kth(n_layer, number(where, "no_rope_layer_interval", every, int))
     if not isinstance(flags, list) or len(flags) != n_layer or any(f not in (0, 1) for f in flags):
         raise ModelFileError(where, f"no_rope_layers must list {n_layer} of 0 or 1")
     return frozenset(i for i, f in enumerate(flags) if f == 0)
@@ -188,35 +188,68 @@ GEMMA_FULL_EVERY = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
 GEMMA_LOCAL_ROPE_BASE = 10000.0  # Gemma 3's sliding-window layers' rope base where a file does not say it
 
 
-def gemma(cfg, kind, attn_softcap=0.0, final_softcap=0.0, query_scalar=None, local_rope_base=None):
+def gemma(cfg, kind, attn_softcap, final_softcap, query_scalar=None, local_rope_base=None):
     """Gemma 2 / 3's features on a Config: scaled embeddings, GELU, sandwich norms, Gemma 3's per-head norms and
-    local rope base, Gemma 2's caps."""
+    local rope base, Gemma 2's caps (0: none)."""
     cfg.embed_scale = float(np.float32(math.sqrt(cfg.dim)))
     cfg.act, cfg.sandwich, cfg.qk_norm = "gelu_tanh", True, kind.startswith("gemma3")
-    cfg.attn_softcap, cfg.final_softcap = float(attn_softcap or 0.0), float(final_softcap or 0.0)
+    cfg.attn_softcap, cfg.final_softcap = attn_softcap, final_softcap
     if query_scalar and query_scalar != cfg.head_dim:
         cfg.attn_scale = query_scalar ** -0.5
     if cfg.qk_norm:
         cfg.local_rope_base = local_rope_base or GEMMA_LOCAL_ROPE_BASE
 
 
-# Granite's multipliers: embedding, residual, attention scores, logits (divided by the last)
-GRANITE_HF = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
-
-
-GRANITE_GGUF = ("embedding_scale", "residual_scale", "attention.scale", "logit_scale")
+# Granite's multipliers -- embedding, residual, attention scores, logits (divided by the last) -- and each one's
+# default where a file leaves it out: transformers' (the scores' 1.0), llama.cpp's (0: 1 / sqrt(head_dim))
+GRANITE_HF = (("embedding_multiplier", 1.0), ("residual_multiplier", 1.0), ("attention_multiplier", 1.0),
+              ("logits_scaling", 1.0))
+GRANITE_GGUF = (("embedding_scale", 1.0), ("residual_scale", 1.0), ("attention.scale", 0.0), ("logit_scale", 1.0))
+GEMMA_CAPS = ("attn_logit_softcapping", "final_logit_softcapping")  # Gemma 2's, the same key in both kinds of file
 
 
 def granite(cfg, embed, residual, attention, logits):
-    """Granite's multipliers on a Config (a llama's are all 1 but attention's: 1 / sqrt(head_dim))."""
-    cfg.embed_scale, cfg.residual_scale, cfg.logit_scale = embed, residual, logits
-    if attention != 1.0:
-        cfg.attn_scale = attention
+    """Granite's multipliers on a Config (attention 0: the scores' usual 1 / sqrt(head_dim))."""
+    cfg.embed_scale, cfg.residual_scale, cfg.attn_scale, cfg.logit_scale = embed, residual, attention, logits
 
 
-def full_every(n_layer, k):
-    """The layers that see every key when one in k does (the last of each run of k)."""
+def every_kth(n_layer, k):
+    """The layers i with (i + 1) % k == 0: the last of each run of k."""
     return frozenset(i for i in range(n_layer) if (i + 1) % k == 0)
+
+
+def gguf_features(cfg, arch, get):
+    """What a GGUF file's architecture adds to the Llama block, on its Config; get(key, kind, default): the
+    architecture's key, checked."""
+    cfg.bias, cfg.qk_norm = arch == "qwen2", arch == "qwen3"
+    if arch.startswith("gemma"):
+        # llama.cpp scales the scores of its 27B Gemmas by the embedding per head, not the head size
+        big = (arch, cfg.n_layer) in (("gemma2", 46), ("gemma3", 62))
+        gemma(cfg, arch, *(get(key, float, 0.0) for key in GEMMA_CAPS), cfg.dim / cfg.n_head if big else None)
+        cfg.full_layers = every_kth(cfg.n_layer, GEMMA_FULL_EVERY[arch])
+    if arch.startswith("gemma") or arch == "phi3":  # Phi-3's every layer slides, where the file says so
+        cfg.sliding_window = get("attention.sliding_window", int, 0)
+    if arch == "smollm3":
+        cfg.nope_layers = every_kth(cfg.n_layer, NOPE_EVERY)
+    if arch == "granite":
+        granite(cfg, *(get(key, float, default) for key, default in GRANITE_GGUF))
+
+
+def hf_features(cfg, c, get, where):
+    """What a config.json's model_type adds to the Llama block, on its Config; get(key, kind, default): c[key],
+    checked."""
+    kind = c["model_type"]
+    cfg.bias, cfg.qk_norm = kind == "qwen2", kind == "qwen3"
+    cfg.sliding_window, cfg.full_layers = sliding_window(where, c, cfg.n_layer)
+    if kind == "smollm3":
+        cfg.nope_layers = nope_layers(where, c, cfg.n_layer)
+    if kind == "granite":
+        granite(cfg, *(get(key, float, default) for key, default in GRANITE_HF))
+    if kind.startswith("gemma"):
+        gemma(cfg, kind, *(get(key, float, 0.0) for key in GEMMA_CAPS),
+              get("query_pre_attn_scalar", float, cfg.head_dim), hf_local_rope_base(where, c))
+        if c.get("layer_types") is None:  # older files: one layer in sliding_window_pattern sees every key
+            cfg.full_layers = every_kth(cfg.n_layer, get("sliding_window_pattern", int, GEMMA_FULL_EVERY[kind]))
 
 
 def llama3_scaling(inv, s):

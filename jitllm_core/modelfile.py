@@ -84,8 +84,7 @@ class ModelFile(_Tensors):
             n_layer=p("block_count", int), dim=dim, n_head=n_head, n_kv=p("attention.head_count_kv", int, n_head),
             head_dim=head_dim, ffn=p("feed_forward_length", int), vocab=int(emb.shape[0]),
             eps=p("attention.layer_norm_rms_epsilon", float),
-            rope_base=p("rope.freq_base", float, 10000.0), context=p("context_length", int), bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",
+            rope_base=p("rope.freq_base", float, 10000.0), context=p("context_length", int),
             rope_scaling=archs.rope_scaling(self.path, f"{arch}.rope.scaling", self._gguf_rope_scaling(arch)))
         self.config.check(self.path, dict(
             n_layer=f"{arch}.block_count", dim=f"{arch}.embedding_length", n_head=f"{arch}.attention.head_count",
@@ -93,19 +92,7 @@ class ModelFile(_Tensors):
             ffn=f"{arch}.feed_forward_length", vocab="the rows of token_embd.weight",
             eps=f"{arch}.attention.layer_norm_rms_epsilon", rope_base=f"{arch}.rope.freq_base",
             context=f"{arch}.context_length"))
-        if arch.startswith("gemma"):
-            # llama.cpp scales the scores of its 27B Gemmas by the embedding per head, not the head size
-            big = (arch, self.config.n_layer) in (("gemma2", 46), ("gemma3", 62))
-            caps = [p(key, float, 0.0) for key in ("attn_logit_softcapping", "final_logit_softcapping")]
-            archs.gemma(self.config, arch, *caps, dim / n_head if big else None)
-            self.config.sliding_window = p("attention.sliding_window", int, 0)
-            self.config.full_layers = archs.full_every(self.config.n_layer, archs.GEMMA_FULL_EVERY[arch])
-        if arch == "phi3":  # all its layers slide, where the file says so
-            self.config.sliding_window = p("attention.sliding_window", int, 0)
-        if arch == "smollm3":
-            self.config.nope_layers = archs.full_every(self.config.n_layer, archs.NOPE_EVERY)
-        if arch == "granite":
-            archs.granite(self.config, *(p(k, float, 1.0) for k in archs.GRANITE_GGUF))
+        archs.gguf_features(self.config, arch, p)
         self.tensors = {n: Tensor(n, t.shape, t.type_name, (lambda n=n: g.raw(n))) for n, t in g.tensors.items()}
         self._split_fused(arch == "phi3")
         _refuse_unused(self.path, set(self.tensors) - self.tensor_names())
@@ -228,21 +215,9 @@ class ModelFile(_Tensors):
             n_kv=need("num_key_value_heads", int, n_head),
             head_dim=need("head_dim", int, dim // n_head if n_head > 0 else 0),
             ffn=need("intermediate_size", int), vocab=need("vocab_size", int), eps=need("rms_norm_eps", float),
-            rope_base=theta, context=need("max_position_embeddings", int, 4096), bias=c["model_type"] == "qwen2",
-            qk_norm=c["model_type"] == "qwen3", rope_scaling=scaling)
+            rope_base=theta, context=need("max_position_embeddings", int, 4096), rope_scaling=scaling)
         cfg = self.config
-        cfg.sliding_window, cfg.full_layers = archs.sliding_window(where, c, cfg.n_layer)
-        if c["model_type"] == "smollm3":
-            cfg.nope_layers = archs.nope_layers(where, c, cfg.n_layer)
-        if c["model_type"] == "granite":
-            archs.granite(cfg, *(need(k, float, 1.0) for k in archs.GRANITE_HF))
-        if gemma:
-            caps = [need(key, float, 0.0) for key in ("attn_logit_softcapping", "final_logit_softcapping")]
-            archs.gemma(cfg, c["model_type"], *caps, need("query_pre_attn_scalar", float, cfg.head_dim),
-                   archs.hf_local_rope_base(where, c))
-            if c.get("layer_types") is None:  # older files: one layer in sliding_window_pattern sees every key
-                every = archs.GEMMA_FULL_EVERY[c["model_type"]]
-                cfg.full_layers = archs.full_every(cfg.n_layer, need("sliding_window_pattern", int, every))
+        archs.hf_features(cfg, c, need, where)
         cfg.check(where, dict(n_layer="num_hidden_layers", dim="hidden_size", n_head="num_attention_heads",
                               n_kv="num_key_value_heads", head_dim="head_dim", ffn="intermediate_size",
                               vocab="vocab_size", eps="rms_norm_eps", rope_base=theta_key,
@@ -255,7 +230,8 @@ class ModelFile(_Tensors):
                 used.add(hf_name)
                 raw, kind = (lambda t=t: st.raw(t.name)), t.type_name
                 if gemma and gguf_name.endswith("norm.weight"):  # Gemma's norms scale by 1 + w; GGUF files hold 1 + w
-                    raw, kind = (lambda t=t: (_as_f32(st.raw(t.name), t.type_name, hf_name) + 1).view(np.uint8)), "F32"
+                    raw = lambda t=t: (_as_f32(st.raw(t.name), t.type_name, hf_name) + 1).view(np.uint8)
+                    kind = "F32"
                 self.tensors[gguf_name] = Tensor(gguf_name, t.shape, kind, raw)
         add("token_embd.weight", "model.embed_tokens.weight")
         add("output_norm.weight", "model.norm.weight")

@@ -49,6 +49,8 @@ VARIANTS = {  # name -> (config class name, dtype saved, rope parameters[, shape
     # multipliers of the embedding, of each block's output, of the scores and (divided by) of the logits
     "granite-f32": ("GraniteConfig", "float32", ROPE, {"embedding_multiplier": 4.0, "residual_multiplier": 0.5,
                                                        "attention_multiplier": 0.1, "logits_scaling": 2.0}),
+    # transformers' defaults: the scores times 1.0 (not 1 / sqrt(head_dim), what a GGUF file without the key means)
+    "granite-defaults": ("GraniteConfig", "float32", ROPE),
     # fused q/k/v and gate/up matrices, a sliding window on every layer
     "phi3-f32": ("Phi3Config", "float32", ROPE, {"sliding_window": 21}),
     # GELU, scaled embeddings, norms of 1 + w around both blocks, every other layer windowed; caps on scores and
