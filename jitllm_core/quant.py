@@ -127,6 +127,11 @@ class Q4_1(Format):
         return [(l, d * F(q & 15) + m), (l + 16, d * F(q >> 4) + m)]
 
 
+def _plus(index, i):
+    """index + i, or index where i is None (a narrow lane's byte, which has no i)."""
+    return index if i is None else index + i
+
+
 def _bit5(qh, bit):
     """Bit `bit` of qh (a number or an expression) as the fifth bit of a 5-bit value: 0 or 16."""
     return ((qh >> bit) & 1) << 4
@@ -168,9 +173,10 @@ def _k4_scale_min(k, buf, base, s):
 class Q4_K(Format):
     halves = (0, 2)
     # d, dmin (f16), 12 bytes of packed 6-bit scales/mins, 128 bytes of nibbles; group p covers sub-blocks 2p, 2p+1
-    def quants(self, k, buf, base, p, l):
-        """q of elements 64p + l and 64p + 32 + l: byte l of group p's nibbles"""
-        q = k.load(buf, base + 16 + p * 32 + l)
+    def quants(self, k, buf, base, p, l, i=None):
+        """q of elements 64p + l (+ i) and 64p + 32 + l (+ i): byte l (+ i) of group p's nibbles (i: which of a wide
+        lane's 4 bytes from l)"""
+        q = k.load(buf, _plus(base + 16 + p * 32 + l, i))
         return q & 15, q >> 4
 
     def terms(self, k, buf, base, p, l):
@@ -191,7 +197,7 @@ class Q4_K(Format):
             sc0, m0 = _k4_scale_min(k, buf, base, p * 2)
             sc1, m1 = _k4_scale_min(k, buf, base, p * 2 + 1)
             for i in range(4):
-                q0, q1 = self.quants(k, buf, base, p, e * 4 + i)
+                q0, q1 = self.quants(k, buf, base, p, e * 4, i)
                 out += [(p * 64 + e * 4 + i, (d * sc0) * F(q0) - dmin * m0),
                         (p * 64 + 32 + e * 4 + i, (d * sc1) * F(q1) - dmin * m1)]
         return out
@@ -200,8 +206,8 @@ class Q4_K(Format):
 class Q5_K(Q4_K):
     # Q4_K's d, dmin and packed scales, then qh (32 bytes: bit 2p of byte l is the fifth bit of element l of
     # sub-block 2p, bit 2p + 1 of sub-block 2p + 1's) and the 128 bytes of low nibbles; Q4_K's values and wide form
-    def quants(self, k, buf, base, p, l):
-        qh, q = k.load(buf, base + 16 + l), k.load(buf, base + 48 + p * 32 + l)
+    def quants(self, k, buf, base, p, l, i=None):
+        qh, q = k.load(buf, _plus(base + 16 + l, i)), k.load(buf, _plus(base + 48 + p * 32 + l, i))
         return (q & 15) | _bit5(qh, 2 * p), (q >> 4) | _bit5(qh, 2 * p + 1)
 
 
