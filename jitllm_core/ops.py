@@ -58,9 +58,8 @@ def rmsnorm(dim: int, T: int, eps: float, wide=False) -> ir.Kernel:
     k = ir.Kernel(f"rmsnorm_{dim}_T{T}_{eps:g}{'_wide' if wide else ''}")
     k.buffer("x", "f32", T * dim), k.buffer("w", "f32", dim), k.buffer("out", "f32", T * dim, True)
     n, t0 = k.scalar("n_tokens"), k.scalar("t0")
-    square_sum = lambda t: ir.reduce("add", "i", dim, lambda i: k.load("x", t * dim + i) * k.load("x", t * dim + i),
-                                     "serial")
-    scale = lambda ss: ir.rsqrt(ss / float(dim) + eps)
+    square_sum = lambda t: _square_sum(k, "x", t * dim, dim)
+    scale = lambda ss: _inverse_rms(ss, dim, eps)
 
     def normed(t, r):
         with k.loop("i", dim, "vector") as i:
@@ -81,6 +80,15 @@ def rmsnorm(dim: int, T: int, eps: float, wide=False) -> ir.Kernel:
     return k.finish()
 
 
+def _square_sum(k, buf, at, n):
+    """The sum of squares of buf[at:at + n], in order (`rmsnorm`)."""
+    return ir.reduce("add", "i", n, lambda i: k.load(buf, at + i) * k.load(buf, at + i), "serial")
+
+
+def _inverse_rms(square_sum, n, eps):
+    return ir.rsqrt(square_sum / float(n) + eps)
+
+
 def head_rmsnorm(n_heads: int, head_dim: int, T: int, eps: float) -> ir.Kernel:
     """Each head of q (T tokens of n_heads heads) / its rms * w, in place, for the tokens from t0: Qwen3's query and
     key norms, before the rope. A head is small (64-128 values), so a head is an iteration."""
@@ -89,8 +97,7 @@ def head_rmsnorm(n_heads: int, head_dim: int, T: int, eps: float) -> ir.Kernel:
     n, t0 = k.scalar("n_tokens"), k.scalar("t0")
     with k.parallel("th", (n - t0) * n_heads) as th:
         base = k.let("base", (t0 * n_heads + th) * head_dim)
-        ss = ir.reduce("add", "i", head_dim, lambda i: k.load("q", base + i) * k.load("q", base + i), "serial")
-        r = k.let("r", ir.rsqrt(ss / float(head_dim) + eps))
+        r = k.let("r", _inverse_rms(_square_sum(k, "q", base, head_dim), head_dim, eps))
         with k.loop("i", head_dim, "vector") as i:
             k.store("q", base + i, k.load("q", base + i) * r * k.load("w", i))
     return k.finish()
@@ -531,8 +538,13 @@ def _scores(k, qos, key, stride, head_dim, scale, parts, softcap=0.0):
     `parts` chains: every head's sums first, one after another, so that a CPU sums them in one loop, each key
     vector loaded (and widened from f16) once for all."""
     dots = [_dots(k, qo, key, stride, head_dim, parts, f"{i}_") for i, qo in enumerate(qos)]
-    capped = (lambda s: ir.Un("tanh", s * (1.0 / softcap)) * softcap) if softcap else (lambda s: s)
+    capped = (lambda s: _capped(s, softcap)) if softcap else (lambda s: s)
     return [k.let(f"sc{i}", capped(sum(d[1:], d[0]) * scale)) for i, d in enumerate(dots)]
+
+
+def _capped(x, cap):
+    """cap * tanh(x / cap): Gemma 2's soft cap of scores and logits."""
+    return ir.tanh(x * (1.0 / cap)) * cap
 
 
 OUT = -3.0e38  # the score of a position out of a sliding window: its exponential is 0
@@ -569,7 +581,7 @@ def gelu_mul(dim: int, T: int) -> ir.Kernel:
         t = t0 + j
         with k.loop("i", dim, "vector") as i:
             g = k.load("g", t * dim + i)
-            gelu = 0.5 * g * (1.0 + ir.Un("tanh", GELU_C * (g + 0.044715 * g * g * g)))
+            gelu = 0.5 * g * (1.0 + ir.tanh(GELU_C * (g + 0.044715 * g * g * g)))
             k.store("h", t * dim + i, gelu * k.load("u", t * dim + i))
     return k.finish()
 
@@ -597,7 +609,7 @@ def softcap(dim: int, T: int, cap: float) -> ir.Kernel:
     with k.parallel("j", n - t0) as j:
         with k.loop("i", dim, "vector") as i:
             at = (t0 + j) * dim + i
-            k.store("x", at, ir.Un("tanh", k.load("x", at) * (1.0 / cap)) * cap)
+            k.store("x", at, _capped(k.load("x", at), cap))
     return k.finish()
 
 
