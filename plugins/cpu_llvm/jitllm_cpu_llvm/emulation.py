@@ -85,30 +85,31 @@ def _pmaddwd(ret, a, b):
     return _pairs(ret, a, b, "sext", "%r = add {ret} %e, %o")
 
 
-def _permvar(ret, v, idx):
-    """lane i of the result: lane idx[i] mod n of v"""
+def _lanewise(ret, lane):
+    """A vector of type ret built lane by lane: lane(i, n) -> (the lines computing lane i, its value's name)."""
     n, ty = _lanes(ret)
     lines, prev = [], "poison"
     for i in range(n):
-        lines += [f"%i{i} = extractelement {idx} %a1, i32 {i}", f"%m{i} = and i32 %i{i}, {n - 1}",
-                  f"%e{i} = extractelement {v} %a0, i32 %m{i}",
-                  f"%r{i} = insertelement {ret} {prev}, {ty} %e{i}, i32 {i}"]
+        body, value = lane(i, n)
+        lines += body + [f"%r{i} = insertelement {ret} {prev}, {ty} {value}, i32 {i}"]
         prev = f"%r{i}"
     return "\n".join(lines + [f"ret {ret} {prev}"])
+
+
+def _permvar(ret, v, idx):
+    """lane i of the result: lane idx[i] mod n of v"""
+    return _lanewise(ret, lambda i, n: ([
+        f"%i{i} = extractelement {idx} %a1, i32 {i}", f"%m{i} = and i32 %i{i}, {n - 1}",
+        f"%e{i} = extractelement {v} %a0, i32 %m{i}"], f"%e{i}"))
 
 
 def _pshufb(ret, v, idx):
     """byte i of the result: 0 where idx's byte i has its top bit set, else byte idx[i] & 15 of v's 16-byte lane
     holding byte i"""
-    n, _ = _lanes(ret)
-    lines, prev = [], "poison"
-    for i in range(n):
-        lines += [f"%i{i} = extractelement {idx} %a1, i32 {i}", f"%m{i} = and i8 %i{i}, 15",
-                  f"%w{i} = zext i8 %m{i} to i32", f"%p{i} = add i32 %w{i}, {i & ~15}",
-                  f"%e{i} = extractelement {v} %a0, i32 %p{i}", f"%z{i} = icmp slt i8 %i{i}, 0",
-                  f"%s{i} = select i1 %z{i}, i8 0, i8 %e{i}", f"%r{i} = insertelement {ret} {prev}, i8 %s{i}, i32 {i}"]
-        prev = f"%r{i}"
-    return "\n".join(lines + [f"ret {ret} {prev}"])
+    return _lanewise(ret, lambda i, n: ([
+        f"%i{i} = extractelement {idx} %a1, i32 {i}", f"%m{i} = and i8 %i{i}, 15", f"%w{i} = zext i8 %m{i} to i32",
+        f"%p{i} = add i32 %w{i}, {i & ~15}", f"%e{i} = extractelement {v} %a0, i32 %p{i}",
+        f"%z{i} = icmp slt i8 %i{i}, 0", f"%s{i} = select i1 %z{i}, i8 0, i8 %e{i}"], f"%s{i}"))
 
 
 BODIES = {"llvm.x86.avx512.vpdpbusd": _vpdpbusd, "llvm.x86.avx512.pmaddubs.w": _pmaddubsw,
