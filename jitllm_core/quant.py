@@ -8,14 +8,14 @@ on every backend. Dot products (`row_dot`) and dequantization (`dequant_kernel`)
 `terms`, so a new format added here works everywhere, with no plugin change.
 
 At load, the ggml formats are repacked (`repack`) into *row-interleaved* layouts of the same values
-(`Interleaved`: R8, R4, R5, R40, R50, R4NL, R2K, R3K, R4K, R5K, R4XS, R6): ROWS rows stored together, each field of a block holding the
-rows' bytes side by side, so that a vector whose lanes are rows reads every field -- scales as well as quants --
-with one contiguous load and a dot product keeps each row's sum in its own lane (no horizontal sum per block, no
-scale broadcast). All but R8 are *dot4 layouts*: their fields are words but a lone f16 scale (4 weights to a word:
-4-bit ones in the file's nibble order, IQ4's codes looked up as bytes, 2-bit ones a shift apart, the top bits of 5- and 3-bit ones in words of their own, Q6_K's q
-whole), and their dots multiply the weights' integers by the input's (`ops.quantize_input`: 3 signed base-256
-digits per element, each within 2^-24 of its span's largest) with `ir.dot4`, 4 byte products to a lane per
-instruction where the CPU has VNNI, then apply the scales in f32 (d * scale * sum q x + offset * sum x, the
+(`Interleaved`: R8, R4, R5, R40, R50, R4NL, R2K, R3K, R4K, R5K, R4XS, R6): ROWS rows stored together, each field of
+a block holding the rows' bytes side by side, so that a vector whose lanes are rows reads every field -- scales as
+well as quants -- with one contiguous load and a dot product keeps each row's sum in its own lane (no horizontal
+sum per block, no scale broadcast). All but R8 are *dot4 layouts*: their fields are words but a lone f16 scale (4
+weights to a word: 4-bit ones in the file's nibble order, IQ4's codes looked up as bytes, 2-bit ones a shift apart,
+the top bits of 5- and 3-bit ones in words of their own, Q6_K's q whole), and their dots multiply the weights'
+integers by the input's (`ops.quantize_input`: 3 signed base-256 digits per element, each within 2^-24 of its
+span's largest) with `ir.dot4`, 4 byte products to a lane per instruction where the CPU has VNNI, then apply the scales in f32 (d * scale * sum q x + offset * sum x, the
 input's sums read for the offsets). Sizes are the file's (Q4_K's packed 6-bit scales stay packed, unpacked a word
 at a time in the dot; Q4_0's, Q5_0's and IQ4_NL's offsets, -8 d, -16 d and -128 d, computed in the dot), but Q6_K's
 212 bytes a block instead of 210, to keep words whole, Q3_K's 116 instead of 110 and IQ4_XS's 140 instead of 136
@@ -527,7 +527,8 @@ class R4XS(Affine4):
     def subs(self, k, buf, at, piece):
         d, sw = ir.f16bits(_word(k, buf, at(0, 4))), _word(k, buf, at(4 + 4 * piece, 4))
         scales = [d * F((sw << 24 - 8 * j) >> 24) for j in range(4)]
-        return [(sc, sc * -128.0, 12 + 16 * (4 * piece + j), None, 32 * (4 * piece + j)) for j, sc in enumerate(scales)]
+        return [(sc, sc * -128.0, 12 + 16 * (4 * piece + j), None, 32 * (4 * piece + j))
+                for j, sc in enumerate(scales)]
 
 
 class R4K(Affine4):
@@ -734,6 +735,16 @@ def _fields(rows, b, sizes):
     return _interleave(rows, [b[:, a:z] for a, z in zip(cuts, cuts[1:])], [])
 
 
+def _d_word(b, off):
+    """A block's f16 d at byte off and 2 unused bytes: a word, so that the fields after it stay words."""
+    return np.concatenate([b[:, off:off + 2], np.zeros((len(b), 2), np.uint8)], axis=1)
+
+
+def _signed6(low, high):
+    """6-bit scales from their low 4 and top 2 bits, less 32, as int8 bytes (Q3_K's, IQ4_XS's)."""
+    return ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).view(np.uint8)
+
+
 def _k_nibbles(qs):
     """A k-quant's 128 bytes of nibbles (each 32 bytes: sub-block 2p in the low nibbles, 2p + 1 in the high) -> a
     sub-block's 16 bytes each, element j low and j + 16 high, as `_nibble_dot` reads them."""
@@ -796,12 +807,12 @@ def _pack_q2_k(b, rows):
 
 
 def _q3_k_scales(sc):
-    """Q3_K's 12 bytes of packed 6-bit scales -> the 16 scales less 32 (int8): scale 4a + b's low nibble from
+    """Q3_K's 12 bytes of packed 6-bit scales -> the 16 scales less 32 (`_signed6`): scale 4a + b's low nibble from
     byte 4 (a % 2) + b (its high nibble for a >= 2), its top 2 bits from byte 8 + b, bits 2a."""
     a, b = np.arange(16) // 4, np.arange(16) % 4
     low = (sc[:, 4 * (a % 2) + b] >> (4 * (a // 2)).astype(np.uint8)) & 15
     high = (sc[:, 8 + b] >> (2 * a).astype(np.uint8)) & 3
-    return ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
+    return _signed6(low, high)
 
 
 def _pack_q3_k(b, rows):
@@ -810,8 +821,7 @@ def _pack_q3_k(b, rows):
     high = (hm >> shifts[None, :, :, None, None]) & 1                         # [n][j][h][l]
     bits = (high.reshape(-1, 8, 2, 16).astype(np.uint32) << np.arange(32, dtype=np.uint32).reshape(2, 16)).sum(
         axis=(2, 3), dtype=np.uint32)                                          # word t: sub-blocks 2t, 2t + 1
-    unused = np.zeros((len(b), 2), np.uint8)
-    return _words(rows, np.concatenate([b[:, 108:110], unused, _q3_k_scales(b[:, 96:108]).view(np.uint8),
+    return _words(rows, np.concatenate([_d_word(b, 108), _q3_k_scales(b[:, 96:108]),
                                         _crumb_words(b[:, 32:96]), bits.astype("<u4").view(np.uint8)], axis=1))
 
 
@@ -820,17 +830,14 @@ def _pack_q6_k(b, rows):
     low = np.concatenate([ql & 15, ql >> 4], axis=2)                                  # [n][i][l]: 128 n + 32 i + l
     q = (low | ((qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3) << 4).reshape(-1, 16, 4, 4)  # [s][k][j]
     words = q[:, :, :3] | (((q[:, :, 3:] >> np.array([0, 2, 4], np.uint8)[:, None]) & 3) << 6)
-    unused = np.zeros((len(b), 2), np.uint8)
-    return _words(rows, np.concatenate([b[:, 208:210], unused, b[:, 192:208], words.reshape(-1, 192)], axis=1))
+    return _words(rows, np.concatenate([_d_word(b, 208), b[:, 192:208], words.reshape(-1, 192)], axis=1))
 
 
 def _pack_iq4_xs(b, rows):
     s = np.arange(8)
     low = (b[:, 4 + s // 2] >> (4 * (s % 2)).astype(np.uint8)) & 15
     high = (b[:, 2:4].copy().view("<u2") >> (2 * s).astype(np.uint16)) & 3
-    scales = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
-    unused = np.zeros((len(b), 2), np.uint8)
-    return _words(rows, np.concatenate([b[:, 0:2], unused, scales.view(np.uint8), b[:, 8:136]], axis=1))
+    return _words(rows, np.concatenate([_d_word(b, 0), _signed6(low, high), b[:, 8:136]], axis=1))
 
 
 REPACK = {"Q8_0": ("R8", _pack_q8_0), "Q4_0": ("R40", _pack_q4_0), "Q4_1": ("R4", _pack_q4_1),
