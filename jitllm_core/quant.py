@@ -7,19 +7,19 @@ pairs that lane yields -- written so that lanes read contiguous bytes, which is 
 on every backend. Dot products (`row_dot`) and dequantization (`dequant_kernel`) are both derived from
 `terms`, so a new format added here works everywhere, with no plugin change.
 
-At load, the ggml formats are repacked (`repack`) into *row-interleaved* layouts of the same values
-(`Interleaved`: R8, R4, R5, R40, R50, R4NL, R2K, R3K, R4K, R5K, R4XS, R6): ROWS rows stored together, each field of
-a block holding the rows' bytes side by side, so that a vector whose lanes are rows reads every field -- scales as
-well as quants -- with one contiguous load and a dot product keeps each row's sum in its own lane (no horizontal
-sum per block, no scale broadcast). All but R8 are *dot4 layouts*: their fields are words but a lone f16 scale (4
-weights to a word: 4-bit ones in the file's nibble order, IQ4's codes looked up as bytes, 2-bit ones a shift apart,
-the top bits of 5- and 3-bit ones in words of their own, Q6_K's q whole), and their dots multiply the weights'
-integers by the input's (`ops.quantize_input`: 3 signed base-256 digits per element, each within 2^-24 of its
-span's largest) with `ir.dot4`, 4 byte products to a lane per instruction where the CPU has VNNI, then apply the scales in f32 (d * scale * sum q x + offset * sum x, the
-input's sums read for the offsets). Sizes are the file's (Q4_K's packed 6-bit scales stay packed, unpacked a word
-at a time in the dot; Q4_0's, Q5_0's and IQ4_NL's offsets, -8 d, -16 d and -128 d, computed in the dot), but Q6_K's
-212 bytes a block instead of 210, to keep words whole, Q3_K's 116 instead of 110 and IQ4_XS's 140 instead of 136
-(their scales unpacked).
+At load, the ggml formats are repacked (`repack`) into *row-interleaved* layouts of the same values (`Interleaved`:
+R8, R4, R5, R40, R50, R4NL, R2K, R3K, R4K, R5K, R4XS, R6): ROWS rows stored together, each field of a block holding
+the rows' bytes side by side, so that a vector whose lanes are rows reads every field -- scales as well as quants --
+with one contiguous load and a dot product keeps each row's sum in its own lane (no horizontal sum per block, no
+scale broadcast). All but R8 are *dot4 layouts*: their fields are words but a lone f16 scale (4 weights to a word:
+4-bit ones in the file's nibble order, IQ4's codes looked up as bytes, 2-bit ones a shift apart, the top bits of 5-
+and 3-bit ones in words of their own, Q6_K's q whole), and their dots multiply the weights' integers by the input's
+(`ops.quantize_input`: 3 signed base-256 digits per element, each within 2^-24 of its span's largest) with
+`ir.dot4`, 4 byte products to a lane per instruction where the CPU has VNNI, then apply the scales in f32 (d * scale
+* sum q x + offset * sum x, the input's sums read for the offsets). Sizes are the file's (Q4_K's packed 6-bit scales
+stay packed, unpacked a word at a time in the dot; Q4_0's, Q5_0's and IQ4_NL's offsets, -8 d, -16 d and -128 d,
+computed in the dot), but Q6_K's 212 bytes a block instead of 210, to keep words whole, Q3_K's 116 instead of 110
+and IQ4_XS's 140 instead of 136 (their scales unpacked).
 """
 from __future__ import annotations
 
