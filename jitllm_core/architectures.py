@@ -12,6 +12,24 @@ import numpy as np
 from .errors import ModelFileError
 
 
+GGUF_ARCHS = ("llama", "smollm3", "granite", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+# GGUF architectures whose query and key rows rotate halves (`_rope_pairs`)
+HALVES_ARCHS = ("qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+HF_TYPES = ("llama", "smollm3", "granite", "qwen2", "qwen3", "mistral", "phi3", "gemma2",  # config.json model_type
+            "gemma3_text")
+# SmolLM3's layers without rope, one in this many (the last of each run), where a file does not list them
+NOPE_EVERY = 4
+# Gemma's layers that see every key, one in this many (the last of each run), where a file does not list them
+GEMMA_FULL_EVERY = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
+GEMMA_LOCAL_ROPE_BASE = 10000.0  # Gemma 3's sliding-window layers' rope base where a file does not say it
+# Granite's multipliers -- embedding, residual, attention scores, logits (divided by the last) -- and each one's
+# default where a file leaves it out: transformers' (the scores' 1.0), llama.cpp's (0: 1 / sqrt(head_dim))
+GRANITE_HF = (("embedding_multiplier", 1.0), ("residual_multiplier", 1.0), ("attention_multiplier", 1.0),
+              ("logits_scaling", 1.0))
+GRANITE_GGUF = (("embedding_scale", 1.0), ("residual_scale", 1.0), ("attention.scale", 0.0), ("logit_scale", 1.0))
+GEMMA_CAPS = ("attn_logit_softcapping", "final_logit_softcapping")  # Gemma 2's, the same key in both kinds of file
+
+
 @dataclass
 class Config:
     n_layer: int
@@ -166,28 +184,6 @@ def sliding_window(where, c, n_layer):
     return window, frozenset()
 
 
-GGUF_ARCHS = ("llama", "smollm3", "granite", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
-
-
-# GGUF architectures whose query and key rows rotate halves (`_rope_pairs`)
-HALVES_ARCHS = ("qwen2", "qwen3", "phi3", "gemma2", "gemma3")
-
-
-HF_TYPES = ("llama", "smollm3", "granite", "qwen2", "qwen3", "mistral", "phi3", "gemma2",  # config.json model_type
-            "gemma3_text")
-
-
-# SmolLM3's layers without rope, one in this many (the last of each run), where a file does not list them
-NOPE_EVERY = 4
-
-
-# Gemma's layers that see every key, one in this many (the last of each run), where a file does not list them
-GEMMA_FULL_EVERY = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
-
-
-GEMMA_LOCAL_ROPE_BASE = 10000.0  # Gemma 3's sliding-window layers' rope base where a file does not say it
-
-
 def gemma(cfg, kind, attn_softcap, final_softcap, query_scalar=None, local_rope_base=None):
     """Gemma 2 / 3's features on a Config: scaled embeddings, GELU, sandwich norms, Gemma 3's per-head norms and
     local rope base, Gemma 2's caps (0: none)."""
@@ -198,14 +194,6 @@ def gemma(cfg, kind, attn_softcap, final_softcap, query_scalar=None, local_rope_
         cfg.attn_scale = query_scalar ** -0.5
     if cfg.qk_norm:
         cfg.local_rope_base = local_rope_base or GEMMA_LOCAL_ROPE_BASE
-
-
-# Granite's multipliers -- embedding, residual, attention scores, logits (divided by the last) -- and each one's
-# default where a file leaves it out: transformers' (the scores' 1.0), llama.cpp's (0: 1 / sqrt(head_dim))
-GRANITE_HF = (("embedding_multiplier", 1.0), ("residual_multiplier", 1.0), ("attention_multiplier", 1.0),
-              ("logits_scaling", 1.0))
-GRANITE_GGUF = (("embedding_scale", 1.0), ("residual_scale", 1.0), ("attention.scale", 0.0), ("logit_scale", 1.0))
-GEMMA_CAPS = ("attn_logit_softcapping", "final_logit_softcapping")  # Gemma 2's, the same key in both kinds of file
 
 
 def granite(cfg, embed, residual, attention, logits):
