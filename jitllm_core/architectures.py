@@ -45,6 +45,7 @@ class Config:
     bias: bool = False     # q, k, v biases (Qwen2)
     qk_norm: bool = False  # each head's query and key RMS-normed before the rope (Qwen3)
     rope_scaling: dict = field(default_factory=dict)
+    rope_dim: int = 0      # the first dimensions of each head the rope turns (0: all of them; Phi-4-mini's 3 in 4)
     sliding_window: int = 0                       # keys a token sees, itself included (0: every earlier one)
     full_layers: frozenset = frozenset()          # layers that see every key despite a sliding window
     nope_layers: frozenset = frozenset()          # layers without rope (SmolLM3's one in 4)
@@ -76,6 +77,18 @@ class Config:
             raise ModelFileError(where, f"{keys['eps']} is {self.eps}; it must be a finite number >= 0")
         if not math.isfinite(self.rope_base) or self.rope_base <= 0:
             raise ModelFileError(where, f"{keys['rope_base']} is {self.rope_base}; it must be a finite number > 0")
+        if self.rope_dim % 2 or not 0 <= self.rope_dim <= self.head_dim:
+            raise ModelFileError(where, f"{keys['rope_dim']} gives a rope over {self.rope_dim} dimensions of a head; "
+                                        f"an even number up to the head size ({self.head_dim}) is needed")
+        for name in LONGROPE_FACTORS:
+            if name in self.rope_scaling and len(self.rope_scaling[name]) != self.rotary // 2:
+                raise ModelFileError(where, f"the rope's {name} lists {len(self.rope_scaling[name])} factors; the "
+                                            f"rope turns {self.rotary // 2} pairs")
+
+    @property
+    def rotary(self):
+        """The dimensions of each head the rope turns."""
+        return self.rope_dim or self.head_dim
 
 
 def number(where, key, value, kind):
@@ -88,15 +101,23 @@ def number(where, key, value, kind):
     return kind(value)
 
 
-# rope scalings computed here -> their parameters, with the default of each that may be left out (None: required)
+# rope scalings computed here -> their parameters, with the default of each that may be left out (None: required;
+# 0.0: derived from the others as transformers derives it, `_long_context`)
 ROPE_SCALINGS = {"linear": {"factor": None},
                  "llama3": {"factor": None, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                            "original_max_position_embeddings": 8192}}
+                            "original_max_position_embeddings": 8192},
+                 "yarn": {"factor": 0.0, "original_max_position_embeddings": 0.0, "attention_factor": 0.0,
+                          "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.0, "mscale_all_dim": 0.0},
+                 "longrope": {"factor": 0.0, "original_max_position_embeddings": 0.0, "attention_factor": 0.0}}
+ROPE_ALIASES = {"su": "longrope"}  # Phi-3's first name for LongRoPE
+LONGROPE_FACTORS = ("short_factor", "long_factor")  # per rotated pair: within the original context, past it
 
 
-def rope_scaling(where, key, s):
-    """The rope scaling a model asks for, as {"rope_type": kind, parameter: float}; {} for none. A kind not
-    computed here (yarn, dynamic, longrope...) is refused: left out, it would give wrong logits silently."""
+def rope_scaling(where, key, s, context=0, original=0):
+    """The rope scaling a model asks for, as {"rope_type": kind, parameter: value}; {} for none. A kind not
+    computed here (dynamic...) is refused: left out, it would give wrong logits silently. context: the model's
+    (max_position_embeddings), original: a top-level original_max_position_embeddings (Phi-3's), which comes
+    before the table's -- what YaRN's and LongRoPE's derived parameters are derived from."""
     if not s:
         return {}
     if not isinstance(s, dict):
@@ -104,19 +125,54 @@ def rope_scaling(where, key, s):
     kind = s.get("rope_type", s.get("type"))
     if kind in (None, "default", "none"):
         return {}
+    kind = ROPE_ALIASES.get(kind, kind)
     if kind not in ROPE_SCALINGS:
         raise ModelFileError(where, f"{key}: rope scaling {kind!r} is not supported ({', '.join(ROPE_SCALINGS)} are)")
     out = {"rope_type": kind}
     for name, default in ROPE_SCALINGS[kind].items():
-        v = s.get(name, default)
+        v = s.get(name)
         if v is None:
-            raise ModelFileError(where, f"{key}: rope scaling {kind!r} needs {name!r}")
+            if default is None:
+                raise ModelFileError(where, f"{key}: rope scaling {kind!r} needs {name!r}")
+            out[name] = default
+            continue
         out[name] = number(where, f"{key}.{name}", v, float)
         if not math.isfinite(out[name]) or out[name] <= 0:
             raise ModelFileError(where, f"{key}.{name} is {v!r}; it must be a finite number > 0")
     if kind == "llama3" and out["high_freq_factor"] <= out["low_freq_factor"]:
         raise ModelFileError(where, f"{key}: high_freq_factor must be above low_freq_factor")
+    if kind in ("yarn", "longrope"):
+        _long_context(where, key, s, out, context, original)
     return out
+
+
+def _long_context(where, key, s, out, context, original):
+    """YaRN's and LongRoPE's derived parameters, as transformers derives them: the original context (a top-level
+    one first, else the table's, else the model's), the factor (the contexts' ratio), the cosines' and sines'
+    attention factor (each kind's rule); YaRN's truncated ramp, LongRoPE's per-pair factors."""
+    kind = out["rope_type"]
+    orig = out["original_max_position_embeddings"] = float(original or out["original_max_position_embeddings"]
+                                                           or context)
+    if not orig:
+        raise ModelFileError(where, f"{key}: rope scaling {kind!r} needs 'original_max_position_embeddings'")
+    factor = out["factor"] = out["factor"] or context / orig
+    if kind == "yarn":
+        out["truncate"] = s.get("truncate", True)
+        if not isinstance(out["truncate"], bool):
+            raise ModelFileError(where, f"{key}.truncate is {out['truncate']!r}; true or false is needed")
+        if not out["attention_factor"]:
+            m = lambda scale, ms=1.0: 1.0 if scale <= 1 else 0.1 * ms * math.log(scale) + 1.0
+            both = out["mscale"] and out["mscale_all_dim"]
+            out["attention_factor"] = m(factor, out["mscale"]) / m(factor, out["mscale_all_dim"]) if both else m(factor)
+        return
+    if not out["attention_factor"]:
+        out["attention_factor"] = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    for name in LONGROPE_FACTORS:
+        v = s.get(name)
+        if not isinstance(v, list) or not v or not all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+                                                       for x in v):
+            raise ModelFileError(where, f"{key}.{name} must list numbers > 0, one per rotated pair")
+        out[name] = np.asarray(v, np.float32)
 
 
 def hf_rope(where, c):
@@ -127,16 +183,28 @@ def hf_rope(where, c):
     table = c.get(key) or {}
     if isinstance(table, dict) and "full_attention" in table:
         key, table = f"{key}.full_attention", table["full_attention"]
-    partial = (table if isinstance(table, dict) else {}).get("partial_rotary_factor", c.get("partial_rotary_factor", 1))
-    if partial != 1:  # a rope over part of each head
-        raise ModelFileError(where, f"partial_rotary_factor is {partial!r}; a rope over part of a head is not "
-                                    "supported")
-    scaling = rope_scaling(where, key, table)  # also refuses a table that is not one
+    context = number(where, "max_position_embeddings", c.get("max_position_embeddings", 0), int)
+    original = number(where, "original_max_position_embeddings", c.get("original_max_position_embeddings", 0), int)
+    scaling = rope_scaling(where, key, table, context, original)  # also refuses a table that is not one
     if key.startswith("rope_parameters"):
         theta_key, theta = f"{key}.rope_theta", table.get("rope_theta")
     else:
         theta_key, theta = "rope_theta", c.get("rope_theta")
     return theta_key, number(where, theta_key, 1e4 if theta is None else theta, float), scaling
+
+
+def hf_rope_dim(where, c, head_dim):
+    """The dimensions of each head the rope turns (0: all): partial_rotary_factor of them (Phi-3's, as Phi-4-mini
+    has it; transformers turns a part of the head only there)."""
+    table = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    partial = (table if isinstance(table, dict) else {}).get("partial_rotary_factor", c.get("partial_rotary_factor", 1))
+    partial = number(where, "partial_rotary_factor", partial, float)
+    if partial == 1:
+        return 0
+    if c["model_type"] != "phi3":
+        raise ModelFileError(where, f"partial_rotary_factor is {partial!r}; a rope over part of a head is "
+                                    "supported for phi3 only")
+    return int(head_dim * partial)
 
 
 def nope_layers(where, c, n_layer):
@@ -228,6 +296,7 @@ def hf_features(cfg, c, get, where):
     checked."""
     kind = c["model_type"]
     cfg.bias, cfg.qk_norm = kind == "qwen2", kind == "qwen3"
+    cfg.rope_dim = hf_rope_dim(where, c, cfg.head_dim)
     cfg.sliding_window, cfg.full_layers = sliding_window(where, c, cfg.n_layer)
     if kind == "smollm3":
         cfg.nope_layers = nope_layers(where, c, cfg.n_layer)
@@ -248,3 +317,16 @@ def llama3_scaling(inv, s):
     scaled = np.where(wavelen > old / lo, inv / factor, inv)
     mid = (wavelen <= old / lo) & (wavelen >= old / hi)
     return np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+
+
+def yarn_scaling(inv, s, rot, base):
+    """YaRN's frequencies: those that turn fewer than beta_slow times over the original context divided by the
+    factor, those that turn more than beta_fast times kept, a linear ramp between (in pairs)."""
+    def pair(turns):
+        return rot * math.log(s["original_max_position_embeddings"] / (turns * 2 * math.pi)) / (2 * math.log(base))
+    low, high = pair(s["beta_fast"]), pair(s["beta_slow"])
+    if s["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rot - 1)
+    kept = 1 - np.clip((np.arange(len(inv), dtype=np.float32) - low) / (high - low if high != low else 0.001), 0, 1)
+    return inv / s["factor"] * (1 - kept) + inv * kept

@@ -25,12 +25,14 @@ from .quant import ROWS, get_format, packed_format, repack
 LAYOUTS = digest(*(Path(m.__file__).read_bytes() for m in (quant, modelfile)))
 
 
-def rope_table(freqs: np.ndarray, positions: int) -> np.ndarray:
-    """cos and sin of every position's angle for each pair ([positions, pairs, 2] f32, `ops.rope`'s `rot`): the
-    angle an f32 product, as the kernels computed it, its cosine and sine in f32 (within an ulp of f64's rounded;
-    131,072 positions of 64 pairs in 25 ms where f64 took 630)."""
+def rope_table(freqs: np.ndarray, positions: int, scale=1.0) -> np.ndarray:
+    """cos and sin of every position's angle for each pair ([positions, pairs, 2] f32, `ops.rope`'s `rot`), times
+    the pair's scale (YaRN's and LongRoPE's attention factor): the angle an f32 product, as the kernels computed it,
+    its cosine and sine in f32 (within an ulp of f64's rounded; 131,072 positions of 64 pairs in 25 ms where f64
+    took 630)."""
     ang = np.arange(positions, dtype=np.float32)[:, None] * np.asarray(freqs, np.float32)[None, :]
-    return np.stack([np.cos(ang), np.sin(ang)], -1)
+    scale = np.asarray(scale, np.float32)
+    return np.stack([np.cos(ang) * scale, np.sin(ang) * scale], -1)
 
 
 @dataclass
@@ -119,18 +121,18 @@ class Llama:
     def activation_bytes(self):
         """What every device that runs a unit holds besides the units: activations, constants (the rope tables),
         a margin."""
-        rope = self.positions * self.cfg.head_dim * 4 * len(self.rope_freqs())  # rope_table's cos and sin, f32
+        rope = self.positions * self.cfg.head_dim * 4 * len(self.ropes())  # rope_table's cos and sin, f32
         return sum(size * ir.STORAGE_DTYPES[dt] for dt, size in self.activations().values()) + rope + (1 << 20)
 
-    def rope_freqs(self):
-        """The frequencies of the constants the rope launches read ("c:<name>"): every layer's, and the
-        sliding-window layers' own where their base differs (Gemma 3's)."""
-        local = {"rope_local": self.mf.rope_freqs(local=True)} if self.cfg.local_rope_base else {}
-        return {"rope": self.mf.rope_freqs(), **local}
+    def ropes(self):
+        """The frequencies and scales (`ModelFile.rope`) of the constants the rope launches read ("c:<name>"):
+        every layer's, and the sliding-window layers' own where their base differs (Gemma 3's)."""
+        local = {"rope_local": self.mf.rope(self.positions, local=True)} if self.cfg.local_rope_base else {}
+        return {"rope": self.mf.rope(self.positions), **local}
 
     def constants_data(self):
         """The constants themselves: each position's cosines and sines (`rope_table`)."""
-        return {name: rope_table(freqs, self.positions) for name, freqs in self.rope_freqs().items()}
+        return {name: rope_table(freqs, self.positions, scale) for name, (freqs, scale) in self.ropes().items()}
 
     def weight_shapes(self, unit):
         """tensor name -> (shape, True if read as f32 constant data rather than by a matmul)"""

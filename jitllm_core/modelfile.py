@@ -79,19 +79,21 @@ class ModelFile(_Tensors):
         emb = g.tensors.get("token_embd.weight")
         if emb is None:
             raise ModelFileError(self.path, "missing tensor 'token_embd.weight'")
-        head_key, head_dim = self._gguf_head_dim(arch, p, dim // n_head if n_head > 0 else 0)
+        head_key, head_dim, rope_dim = self._gguf_head_dim(arch, p, dim // n_head if n_head > 0 else 0)
+        context = p("context_length", int)
         self.config = Config(
             n_layer=p("block_count", int), dim=dim, n_head=n_head, n_kv=p("attention.head_count_kv", int, n_head),
             head_dim=head_dim, ffn=p("feed_forward_length", int), vocab=int(emb.shape[0]),
             eps=p("attention.layer_norm_rms_epsilon", float),
-            rope_base=p("rope.freq_base", float, 10000.0), context=p("context_length", int),
-            rope_scaling=archs.rope_scaling(self.path, f"{arch}.rope.scaling", self._gguf_rope_scaling(arch)))
+            rope_base=p("rope.freq_base", float, 10000.0), context=context, rope_dim=rope_dim,
+            rope_scaling=archs.rope_scaling(self.path, f"{arch}.rope.scaling", self._gguf_rope_scaling(arch, context),
+                                            context))
         self.config.check(self.path, dict(
             n_layer=f"{arch}.block_count", dim=f"{arch}.embedding_length", n_head=f"{arch}.attention.head_count",
             n_kv=f"{arch}.attention.head_count_kv", head_dim=head_key,
             ffn=f"{arch}.feed_forward_length", vocab="the rows of token_embd.weight",
             eps=f"{arch}.attention.layer_norm_rms_epsilon", rope_base=f"{arch}.rope.freq_base",
-            context=f"{arch}.context_length"))
+            context=f"{arch}.context_length", rope_dim=f"{arch}.rope.dimension_count"))
         archs.gguf_features(self.config, arch, p)
         self.tensors = {n: Tensor(n, t.shape, t.type_name, (lambda n=n: g.raw(n))) for n, t in g.tensors.items()}
         self._split_fused(arch == "phi3")
@@ -104,31 +106,49 @@ class ModelFile(_Tensors):
                                             f"token_embd.weight only {self.config.vocab} rows")
 
     def _gguf_head_dim(self, arch, p, default):
-        """(the key it came from, the head size): attention.key_length where the converter wrote it (Qwen3's heads
-        are wider than embedding_length / head_count), else rope.dimension_count. A rope over part of the head, or
-        values of another size than the keys, is refused: computed as whole heads, it would be wrong."""
-        g, keys = self.gguf, [f"{arch}.attention.key_length", f"{arch}.rope.dimension_count"]
-        given = {k: p(k.split(".", 1)[1], int) for k in keys + [f"{arch}.attention.value_length"]
-                 if g.get(k, None) is not None}
-        key = next((k for k in keys if k in given), keys[1])
-        head_dim = given.get(key, default)
-        for k, v in given.items():
-            if v != head_dim:
-                raise ModelFileError(self.path, f"{k} is {v} but the head size is {head_dim} ({key}); "
-                                                "heads of mixed sizes are not supported")
-        return key, head_dim
+        """(the key it came from, the head size, the dimensions the rope turns; 0: all), as llama.cpp reads them:
+        attention.key_length where the converter wrote it (Qwen3's heads are wider than embedding_length /
+        head_count), rope.dimension_count. Values of another size than the keys are refused: computed as whole
+        heads, they would be wrong."""
+        g, key = self.gguf, f"{arch}.attention.key_length"
+        head_key, head_dim = (key, p("attention.key_length", int)) if g.get(key, None) is not None else (
+            f"{arch}.embedding_length / {arch}.attention.head_count", default)
+        if g.get(f"{arch}.attention.value_length", None) is not None and p("attention.value_length", int) != head_dim:
+            raise ModelFileError(self.path, f"{arch}.attention.value_length is {p('attention.value_length', int)} but "
+                                            f"the head size is {head_dim} ({head_key}); heads of mixed sizes are not "
+                                            "supported")
+        rot = p("rope.dimension_count", int, head_dim)
+        return head_key, head_dim, 0 if rot == head_dim else rot
 
-    def _gguf_rope_scaling(self, arch):
-        """rope.scaling.type and .factor (or the older rope.scale_linear); Llama 3's scaling is instead baked
-        into a rope_freqs.weight tensor."""
-        g = self.gguf
-        factor = g.get(f"{arch}.rope.scaling.factor", None) or g.get(f"{arch}.rope.scale_linear", None)
-        kind = g.get(f"{arch}.rope.scaling.type", "linear" if factor else None)
-        return {"rope_type": kind, "factor": factor} if kind else {}
+    def _gguf_rope_scaling(self, arch, context):
+        """rope.scaling.type and its parameters (or the older rope.scale_linear), as llama.cpp reads them: YaRN's
+        scores' factor its own times attn_factor; Phi-3's LongRoPE as tensors of per-pair factors, the scores'
+        factor as written. Llama 3's scaling is instead baked into a rope_freqs.weight tensor."""
+        g, key = self.gguf, lambda k: f"{arch}.rope.scaling.{k}"
+        orig = g.get(key("original_context_length"), None)
+        if "rope_factors_long.weight" in g.tensors:
+            return {"rope_type": "longrope", "original_max_position_embeddings": orig,
+                    "attention_factor": g.get(key("attn_factor"), 1.0),
+                    **{f"{kind}_factor": _as_f32(g.raw(n), g.tensors[n].type_name, f"{self.path}: tensor {n!r}").tolist()
+                       for kind in ("short", "long") for n in [f"rope_factors_{kind}.weight"]}}
+        factor = g.get(key("factor"), None) or g.get(f"{arch}.rope.scale_linear", None)
+        kind = g.get(key("type"), "linear" if factor else None)
+        if kind != "yarn":
+            return {"rope_type": kind, "factor": factor} if kind else {}
+        for k, plain in (("yarn_log_multiplier", 0.0), ("yarn_ext_factor", 1.0), ("yarn_attn_factor", 1.0)):
+            if g.get(key(k), plain) != plain:  # DeepSeek's and others' variations of it
+                raise ModelFileError(self.path, f"{key(k)} is {g.get(key(k))}; only {plain} is supported")
+        out = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": orig,
+               "beta_fast": g.get(key("yarn_beta_fast"), None), "beta_slow": g.get(key("yarn_beta_slow"), None)}
+        attn = g.get(key("attn_factor"), None)
+        if attn is not None and factor:
+            out["attention_factor"] = archs.rope_scaling(self.path, key("type"), out, context)["attention_factor"] * attn
+        return out
 
     def tensor_names(self):
         """Every tensor the architecture reads (GGUF names), optional ones included."""
-        cfg, names = self.config, {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"}
+        cfg, names = self.config, {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight",
+                                   "rope_factors_long.weight", "rope_factors_short.weight"}
         for i in range(cfg.n_layer):
             names.update(f"blk.{i}.{g}.weight" for g in self.HF_NAMES)
             if cfg.bias:
@@ -165,7 +185,8 @@ class ModelFile(_Tensors):
         """The rope kernel rotates each head's adjacent pairs, as llama GGUF files store the query and key rows; HF
         models rotate the two halves of a head, and llama.cpp's converter keeps that order for Qwen, Phi-3 and Gemma
         files (`architectures.HALVES_ARCHS`: its rope there is "neox"). Such rows -- with their biases and per-head
-        norms -- are reordered to pairs as they load."""
+        norms -- are reordered to pairs as they load: the rows the rope turns (Phi-4-mini's halves are of the first
+        3 in 4), the rest left where they are."""
         cfg = self.config
         for i in range(cfg.n_layer):
             for g, heads in (("attn_q", cfg.n_head), ("attn_k", cfg.n_kv)):
@@ -174,7 +195,7 @@ class ModelFile(_Tensors):
                     t = self.tensors.get(name)
                     if t is not None:
                         self.tensors[name] = Tensor(name, t.shape, t.type_name,
-                                                    lambda t=t, h=h: _permute_rows(t.raw(), t, h))
+                                                    lambda t=t, h=h: _permute_rows(t.raw(), t, h, cfg.rotary))
 
     # -- HF safetensors folder
     HF_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -221,7 +242,7 @@ class ModelFile(_Tensors):
         cfg.check(where, dict(n_layer="num_hidden_layers", dim="hidden_size", n_head="num_attention_heads",
                               n_kv="num_key_value_heads", head_dim="head_dim", ffn="intermediate_size",
                               vocab="vocab_size", eps="rms_norm_eps", rope_base=theta_key,
-                              context="max_position_embeddings"))
+                              context="max_position_embeddings", rope_dim="partial_rotary_factor"))
         self.tensors, used = {}, set()
 
         def add(gguf_name, hf_name):
@@ -256,23 +277,30 @@ class ModelFile(_Tensors):
         t = self.tensor(name, shape)
         return _as_f32(t.raw(), t.type_name, f"{self.path}: tensor {name!r}")
 
-    def rope_freqs(self, local=False):
-        """Per-pair inverse frequencies, with Llama-3 scaling applied when the model carries it; local: of the
+    def rope(self, positions, local=False):
+        """(per-pair inverse frequencies, per-pair factors of their cosines and sines), head_dim / 2 of each; the
+        pairs past the part of a head the rope turns turn by 0 (they stay as they are). Scaled as the model asks:
+        Llama 3's, linear, YaRN's, LongRoPE's (its long factors where the engine holds more positions than the
+        original context: llama.cpp's rule; transformers switches to them once a sequence passes it). local: of the
         sliding-window layers where their base differs (Gemma 3's, unscaled)."""
-        cfg = self.config
-        half = cfg.head_dim // 2
+        cfg, s = self.config, self.config.rope_scaling
+        rot, rest = cfg.rotary, (cfg.head_dim - cfg.rotary) // 2
         base = cfg.local_rope_base if local else cfg.rope_base
-        inv = 1.0 / (base ** (np.arange(0, cfg.head_dim, 2, dtype=np.float32) / cfg.head_dim))
-        if local:
-            return inv.astype(np.float32)
-        if "rope_freqs.weight" in self.tensors:
-            inv = inv / self.f32("rope_freqs.weight", (half,))
-        kind = cfg.rope_scaling.get("rope_type")
+        inv = 1.0 / (base ** (np.arange(0, rot, 2, dtype=np.float32) / rot))
+        kind = None if local else s.get("rope_type")
+        if not local and "rope_freqs.weight" in self.tensors:
+            inv = inv / self.f32("rope_freqs.weight", (rot // 2,))
         if kind == "linear":  # positions divided by the factor
-            inv = inv / cfg.rope_scaling["factor"]
+            inv = inv / s["factor"]
         elif kind == "llama3":
-            inv = archs.llama3_scaling(inv, cfg.rope_scaling)
-        return inv.astype(np.float32)
+            inv = archs.llama3_scaling(inv, s)
+        elif kind == "yarn":
+            inv = archs.yarn_scaling(inv, s, rot, base)
+        elif kind == "longrope":
+            inv = inv / s["long_factor" if positions > s["original_max_position_embeddings"] else "short_factor"]
+        scale = s["attention_factor"] if kind in ("yarn", "longrope") else 1.0
+        return (np.concatenate([inv, np.zeros(rest)]).astype(np.float32),
+                np.concatenate([np.full(rot // 2, scale), np.ones(rest)]).astype(np.float32))
 
 
 def _rows(t, name, start, rows):
@@ -295,7 +323,8 @@ def _as_f32(raw, type_name, what):
     raise ModelFileError(what, f"type {type_name}; a float type is needed here")
 
 
-def _permute_rows(raw, t, n_heads):
-    """Reorder each head's rows (or bias entries) from HF's two halves to GGUF's interleaved pairs."""
-    hd = t.shape[0] // n_heads
-    return np.ascontiguousarray(raw.reshape(n_heads, 2, hd // 2, -1).swapaxes(1, 2)).reshape(-1)
+def _permute_rows(raw, t, n_heads, rot):
+    """Reorder each head's first rot rows (or bias entries) from HF's two halves to GGUF's interleaved pairs."""
+    heads = raw.reshape(n_heads, t.shape[0] // n_heads, -1).copy()
+    heads[:, :rot] = heads[:, :rot].reshape(n_heads, 2, rot // 2, -1).swapaxes(1, 2).reshape(n_heads, rot, -1)
+    return heads.reshape(-1)

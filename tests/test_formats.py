@@ -333,11 +333,17 @@ def test_a_valid_config_opens(tmp_path):
     ({"llama.attention.head_count": (STRING, "two")}, "llama.attention.head_count is 'two'; a whole number"),
     ({"llama.block_count": (ARRAY, (U32, [1, 2]))}, "llama.block_count is [1, 2]; a whole number"),
     ({"llama.attention.layer_norm_rms_epsilon": (STRING, "tiny")}, "layer_norm_rms_epsilon is 'tiny'; a number"),
-    # heads of another size than their rope's (a partial rope) or their values': not computed as whole heads
-    ({"llama.attention.key_length": (U32, 4), "llama.rope.dimension_count": (U32, 2)},
-     "llama.rope.dimension_count is 2 but the head size is 4 (llama.attention.key_length)"),
-    ({"llama.rope.dimension_count": (U32, 4), "llama.attention.value_length": (U32, 8)},
-     "llama.attention.value_length is 8 but the head size is 4 (llama.rope.dimension_count)"),
+    # values of another size than the keys: not computed as whole heads
+    ({"llama.attention.key_length": (U32, 8), "llama.attention.value_length": (U32, 4)},
+     "llama.attention.value_length is 4 but the head size is 8 (llama.attention.key_length)"),
+    ({"llama.attention.value_length": (U32, 8)}, "llama.attention.value_length is 8 but the head size is 4 "
+                                                 "(llama.embedding_length / llama.attention.head_count)"),
+    # a rope over more of a head than there is, or over half a pair
+    ({"llama.rope.dimension_count": (U32, 6)}, "llama.rope.dimension_count gives a rope over 6 dimensions of a head; "
+                                               "an even number up to the head size (4)"),
+    ({"llama.rope.dimension_count": (U32, 3)}, "llama.rope.dimension_count gives a rope over 3 dimensions"),
+    ({"llama.rope.scaling.type": (STRING, "yarn"), "llama.rope.scaling.factor": (F32, 4.0),
+      "llama.rope.scaling.yarn_log_multiplier": (F32, 0.1)}, "llama.rope.scaling.yarn_log_multiplier is 0.1"),
 ])
 def test_a_config_value_no_model_has_is_named(tmp_path, changes, problem):
     from jitllm_core.modelfile import ModelFile
@@ -356,9 +362,12 @@ def test_more_tokens_than_embedding_rows_is_refused(tmp_path):
     ({"hidden_size": 8.5}, "hidden_size is 8.5; a whole number is needed"),
     ({"rope_theta": -1}, "rope_theta is -1.0"),
     ({"vocab_size": None}, "missing key 'vocab_size'"),
-    # a rope over part of each head (Phi-4-mini's), at the top or in transformers 5's rope_parameters
-    ({"partial_rotary_factor": 0.75}, "partial_rotary_factor is 0.75"),
+    # a rope over part of each head, at the top or in transformers 5's rope_parameters: transformers turns a part
+    # only in Phi-3 (Phi-4-mini's); over half a pair
+    ({"partial_rotary_factor": 0.75}, "partial_rotary_factor is 0.75; a rope over part of a head is supported for "
+                                      "phi3 only"),
     ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "partial_rotary_factor is 0.5"),
+    ({"model_type": "phi3", "partial_rotary_factor": 0.25}, "partial_rotary_factor gives a rope over 1 dimensions"),
     ({"model_type": "gemma2", "hidden_activation": "gelu"}, "hidden_activation 'gelu' is not supported"),
 ])
 def test_a_config_json_value_no_model_has_is_named(tmp_path, changes, problem):
@@ -373,13 +382,63 @@ def test_a_config_json_value_no_model_has_is_named(tmp_path, changes, problem):
 def test_rope_scaling_of_a_gguf(tmp_path):
     from jitllm_core.modelfile import ModelFile
     base = 1.0 / 10000.0 ** (np.arange(0, 4, 2) / 4)  # head size 8 / 2 heads = 4: two rotary pairs
-    assert np.allclose(ModelFile(llama_gguf(tmp_path)).rope_freqs(), base)
+    freqs = lambda path, positions=64: ModelFile(path).rope(positions)
+    assert np.allclose(freqs(llama_gguf(tmp_path)), [base, [1, 1]])
     linear = {"llama.rope.scaling.type": (STRING, "linear"), "llama.rope.scaling.factor": (F32, 4.0)}
-    assert np.allclose(ModelFile(llama_gguf(tmp_path, **linear)).rope_freqs(), base / 4)
+    assert np.allclose(freqs(llama_gguf(tmp_path, **linear)), [base / 4, [1, 1]])
     older = {"llama.rope.scale_linear": (F32, 2.0)}  # the key llama.cpp read before rope.scaling.*
-    assert np.allclose(ModelFile(llama_gguf(tmp_path, **older)).rope_freqs(), base / 2)
-    expect_error(llama_gguf(tmp_path, **{"llama.rope.scaling.type": (STRING, "yarn")}),
-                 "llama.rope.scaling: rope scaling 'yarn' is not supported (linear, llama3 are)", opener=ModelFile)
+    assert np.allclose(freqs(llama_gguf(tmp_path, **older)), [base / 2, [1, 1]])
+    # a rope over the first pair of each head only: the second turns by 0, the first as a head of 2 would
+    half = {"llama.rope.dimension_count": (U32, 2)}
+    assert np.allclose(freqs(llama_gguf(tmp_path, **half)), [[1, 0], [1, 1]])
+    # YaRN (llama.cpp's keys): the first pair turns 1 / 4 of the original context's 16 positions, so it is
+    # kept; the second one turns 1 / 400 and is divided by the factor; the cosines and sines times 0.1 ln 4 + 1,
+    # and by attn_factor
+    yarn = {"llama.rope.scaling.type": (STRING, "yarn"), "llama.rope.scaling.factor": (F32, 4.0),
+            "llama.rope.scaling.original_context_length": (U32, 16)}
+    assert np.allclose(freqs(llama_gguf(tmp_path, **yarn)), [[1, 0.01 / 4], [1 + 0.1 * np.log(4)] * 2])
+    yarn["llama.rope.scaling.attn_factor"] = (F32, 0.5)
+    assert np.allclose(freqs(llama_gguf(tmp_path, **yarn))[1], [0.5 * (1 + 0.1 * np.log(4))] * 2)
+    expect_error(llama_gguf(tmp_path, **{"llama.rope.scaling.type": (STRING, "dynamic")}),
+                 "llama.rope.scaling: rope scaling 'dynamic' is not supported (linear, llama3, yarn, longrope are)",
+                 opener=ModelFile)
+
+
+def test_yarn_and_longrope_match_transformers():
+    """YaRN's and LongRoPE's frequencies and cosine factors, each parameter given or derived as transformers derives
+    it, against transformers' own functions on the same config: a Llama's heads of 64, a Phi-3's turned over 48."""
+    from jitllm_core.architectures import Config, hf_rope, hf_rope_dim
+    from jitllm_core.modelfile import ModelFile
+    rope_utils = pytest.importorskip("transformers.modeling_rope_utils")
+    transformers = pytest.importorskip("transformers")
+    rng = np.random.default_rng(0)
+    factors = lambda: [float(x) for x in rng.uniform(1, 8, 24)]
+    llama, phi3 = {"model_type": "llama"}, {"model_type": "phi3", "partial_rotary_factor": 0.75}
+    cases = [
+        ({"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512}, llama),
+        ({"rope_type": "yarn", "factor": 3.0, "beta_fast": 16, "beta_slow": 2, "truncate": False}, llama),
+        ({"rope_type": "yarn", "factor": 4.0, "mscale": 0.7, "mscale_all_dim": 0.9}, llama),
+        ({"rope_type": "yarn", "factor": 4.0, "attention_factor": 1.3}, llama),
+        # Phi-3's: its original context at the top, the factor the contexts' ratio
+        ({"rope_type": "longrope", "short_factor": factors(), "long_factor": factors()},
+         {**phi3, "original_max_position_embeddings": 1024}),
+        ({"rope_type": "longrope", "short_factor": factors(), "long_factor": factors(), "factor": 2.0,
+          "original_max_position_embeddings": 2048}, phi3),
+    ]
+    for table, kind in cases:
+        c = dict(hidden_size=256, num_attention_heads=4, max_position_embeddings=8192, num_hidden_layers=1, **kind,
+                 rope_parameters={"rope_theta": 1e4, **table})
+        config = transformers.AutoConfig.for_model(**c)
+        mf = ModelFile.__new__(ModelFile)
+        mf.tensors, (_, theta, scaling), rot = {}, hf_rope("config.json", c), hf_rope_dim("config.json", c, 64)
+        mf.config = Config(n_layer=1, dim=256, n_head=4, n_kv=4, head_dim=64, ffn=1, vocab=1, eps=0.0,
+                           rope_base=theta, context=8192, rope_scaling=scaling, rope_dim=rot)
+        pairs = (rot or 64) // 2
+        for positions in (1024, 8192):  # within the original context or past it: LongRoPE's short or long factors
+            want, want_scale = rope_utils.ROPE_INIT_FUNCTIONS[table["rope_type"]](config, seq_len=positions)
+            got, scale = mf.rope(positions)
+            assert np.allclose(got[:pairs], want.numpy(), rtol=1e-6) and not got[pairs:].any(), (table, positions)
+            assert np.allclose(scale, [want_scale] * pairs + [1] * (32 - pairs), rtol=1e-6)
 
 
 @pytest.mark.parametrize("rope, want", [  # want: (theta, scaling), or the error's words

@@ -39,6 +39,9 @@ GEMMA = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=256, query_p
 # Gemma 3's rope: the full layers' (here linearly scaled) and the sliding-window layers' own base
 GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+# LongRoPE's per-pair factors (12 pairs turned), the long ones larger (slower turns) as in Phi-3's
+SHORT_FACTORS = [1.0 + 0.1 * i for i in range(12)]
+LONG_FACTORS = [2.0 + 1.5 * i for i in range(12)]
 VARIANTS = {  # name -> (config class name, dtype saved, rope parameters[, shape changes])
     "llama-f32": ("LlamaConfig", "float32", ROPE),
     "llama-bf16": ("LlamaConfig", "bfloat16", ROPE),
@@ -70,11 +73,21 @@ VARIANTS = {  # name -> (config class name, dtype saved, rope parameters[, shape
     "llama-rope-llama3": ("LlamaConfig", "float32", {**ROPE, "rope_type": "llama3", "factor": 4.0,
                                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                      "original_max_position_embeddings": 64}),
+    "llama-rope-yarn": ("LlamaConfig", "float32", {**ROPE, "rope_type": "yarn", "factor": 4.0,
+                                                   "original_max_position_embeddings": 64}),
+    # Phi-4-mini's rope: over 3 in 4 of each head's dimensions (24 of 32), LongRoPE's factors per pair; the engine
+    # (512 positions, past the original 64) takes the long ones, as transformers does for these 80-token prompts
+    "phi3-longrope": ("Phi3Config", "float32", {**ROPE, "rope_type": "longrope", "short_factor": SHORT_FACTORS,
+                                                "long_factor": LONG_FACTORS},
+                      {"partial_rotary_factor": 0.75, "original_max_position_embeddings": 64}),
 }
+# transformers takes LongRoPE's long factors only for sequences past the original context (`test_longrope_within_
+# the_original_context`), which these prompts and 12 tokens are not
+GREEDY_SKIPS = {"phi3-longrope"}
 
 
-def variants():
-    return sorted(VARIANTS)
+def variants(skip=()):
+    return sorted(set(VARIANTS) - set(skip))
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +179,7 @@ def test_score_matches_transformers(engines, models, variant, prompt):
     assert np.abs(got - want).max() <= 1e-3
 
 
-@pytest.mark.parametrize("variant", variants())
+@pytest.mark.parametrize("variant", variants(skip=GREEDY_SKIPS))
 def test_greedy_matches_transformers(engines, models, variant):
     eng = engines(variant)
     checked = 0
@@ -179,6 +192,24 @@ def test_greedy_matches_transformers(engines, models, variant):
         assert out[:n] == list(ref[len(ids) - 1:len(ids) - 1 + n].argmax(-1))
         checked += n
     assert checked >= 10  # the margins of these random models are wide enough for most tokens to be checked
+
+
+def test_longrope_within_the_original_context(cpu, models):
+    """An engine that holds no more positions than LongRoPE's original context takes its short factors, as
+    transformers does for any sequence that short: a prompt's scores and a greedy reply."""
+    folder, model = models["phi3-longrope"]
+    checked = 0
+    with jl.Engine(folder, devices=["cpu"], kv_dtype="f32", max_context=64) as eng:
+        for prompt in PROMPTS:
+            ids = eng.tokenizer.encode(prompt)[:40]
+            got, want = eng.score(ids), _reference(model, ids)
+            assert want.std() > 0.05 and np.abs(got - want).max() <= 1e-3
+            out = eng.generate(ids, max_tokens=12, ignore_eos=True).token_ids
+            ref = _reference(model, ids + out)
+            n = agreeing_prefix(ref, out, len(ids) - 1, margin=0.01)
+            assert out[:n] == list(ref[len(ids) - 1:len(ids) - 1 + n].argmax(-1))
+            checked += n
+    assert checked >= 6
 
 
 def test_tokenizer_matches_hf(engines, hf_tokenizer, models):
