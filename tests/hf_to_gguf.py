@@ -3,7 +3,10 @@ names, the architecture's keys, the default model's tokenizer, 2-D weights in a 
 `smollm3` and `granite` the converter reorders each head's query and key rows to adjacent rope pairs; for Qwen,
 Phi-3 and Gemma it keeps HF's order (llama.cpp rotates their halves, "neox" rope) -- what the engine must undo as
 it loads them. Gemma's norms are written as 1 + w (what they scale by), its sliding window and caps, and Granite's
-multipliers, as keys of their own."""
+multipliers, as keys of their own; YaRN's and LongRoPE's scalings as llama.cpp's keys (and LongRoPE's factors as
+tensors), a rope over part of each head as its rope.dimension_count."""
+import math
+
 import numpy as np
 import pytest
 
@@ -60,8 +63,20 @@ def write(model, arch, path, tokenizer_gguf, matrix_type="Q8_0"):
         w.add_float32("gemma2.attn_logit_softcapping", c.attn_logit_softcapping)
         w.add_float32("gemma2.final_logit_softcapping", c.final_logit_softcapping)
     pairs = arch in ("llama", "smollm3", "granite")  # the converter's permute: their rope rotates pairs
-    if pairs:
-        w.add_rope_dimension_count(head_dim)
+    rot = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+    if pairs or rot != head_dim:
+        w.add_rope_dimension_count(rot)
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if rope.get("rope_type") == "longrope":  # Phi-3's: per-pair factors as tensors, the cosines' factor as a key
+        orig = rope["original_max_position_embeddings"]
+        scale = c.max_position_embeddings / orig
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0)
+        w.add_rope_scaling_orig_ctx_len(orig)
+        for kind in ("long", "short"):
+            w.add_tensor(f"rope_factors_{kind}.weight", np.asarray(rope[f"{kind}_factor"], np.float32))
     if head_dim != c.hidden_size // c.num_attention_heads:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)

@@ -44,16 +44,23 @@ def gguf_models(tmp_path_factory, default_model):
     return out
 
 
-@pytest.mark.parametrize("arch", ["smollm3", "granite"])
-def test_gguf_transformers_cannot_read_matches_its_source(cpu, tmp_path, default_model, arch):
-    """SmolLM3's GGUF file (its last layer in 4 without rope) and Granite's (its multipliers as keys), which
-    transformers does not read: with F32 matrices, against the transformers model each was written from."""
+@pytest.mark.parametrize("arch, variant, max_context, n", [
+    ("smollm3", "smollm3-f32", None, 40), ("granite", "granite-f32", None, 40),
+    ("llama", "llama-rope-yarn", None, 80),
+    # LongRoPE's long factors (the engine's 512 positions are past the original 64, and so are transformers' 80),
+    # and its short ones (an engine of 64 positions, 40 of them)
+    ("phi3", "phi3-longrope", None, 80), ("phi3", "phi3-longrope", 64, 40)])
+def test_gguf_transformers_cannot_read_matches_its_source(cpu, tmp_path, default_model, arch, variant, max_context,
+                                                          n):
+    """GGUF files transformers does not read (SmolLM3's last layer in 4 without rope, Granite's multipliers,
+    YaRN's and LongRoPE's keys and Phi-3's rope over part of each head): with F32 matrices, against the transformers
+    model each was written from."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(default_model),
                                                            gguf_file=os.path.basename(default_model))
-    model = _build(tmp_path / arch, f"{arch}-f32", tokenizer)
+    model = _build(tmp_path / variant, variant, tokenizer)
     path = hf_to_gguf.write(model, arch, tmp_path / f"{arch}.gguf", default_model, matrix_type="F32")
-    with jl.Engine(path, devices=["cpu"], kv_dtype="f32") as eng:
-        ids = (eng.tokenizer.encode(PROMPTS[0]) * 2)[:40]
+    with jl.Engine(path, devices=["cpu"], kv_dtype="f32", max_context=max_context) as eng:
+        ids = (eng.tokenizer.encode(PROMPTS[0]) * 3)[:n]
         with torch.no_grad():
             want = model(torch.tensor([ids])).logits[0].numpy()
         with eng.session() as s:
