@@ -20,14 +20,30 @@ _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
 _LLAMA3_SPLIT = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
                  r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+# Mistral's Tekken and GPT-4o's o200k: words split at case changes ("HelloWorld": Hello, World), "/" kept with
+# the punctuation before it; o200k keeps contractions on their word and cuts digits in threes, Tekken one by one
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_CASED_WORDS = rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+@|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*@"  # @: a suffix
+_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_TEKKEN_SPLIT = _CASED_WORDS.replace("@", "") + r"|\p{N}" + _TAIL
+_O200K_SPLIT = _CASED_WORDS.replace("@", r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?") + r"|\p{N}{1,3}" + _TAIL
 
 # tokenizer.ggml.pre -> (regex split applied first, whether ByteLevel then applies the GPT-2 regex,
-# ignore_merges: a word that is itself a token is not merged); as in llama.cpp's llama-vocab.cpp.
+# ignore_merges: a word that is itself a token is not merged, add_bos where the file does not say); as in
+# llama.cpp's llama-vocab.cpp, whose names for each family are listed.
+_GPT2 = (None, True, False, False)
 _PRE = {
-    "gpt2": (None, True, False),
-    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3"], (_LLAMA3_SPLIT, False, True)),
-    **dict.fromkeys(["qwen2", "deepseek-r1-qwen"], (_QWEN2_SPLIT, False, False)),
-    **dict.fromkeys(["smollm", "starcoder", "refact", "command-r", "codeshell"], (r"\p{N}", True, False)),
+    **dict.fromkeys(["gpt2", "gpt-2", "phi-2", "mpt", "olmo", "jais", "trillion", "granite-docling", "exaone4",
+                     "gigachat", "a.x-4.0", "mellum", "jina-es", "jina-de", "jina-v2-es", "jina-v2-de"], _GPT2),
+    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"],
+                    (_LLAMA3_SPLIT, False, True, True)),
+    **dict.fromkeys(["dbrx", "smaug-bpe"], (_LLAMA3_SPLIT, False, False, False)),
+    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "megrez", "stablelm2", "hunyuan", "grok-2"],
+                    (_QWEN2_SPLIT, False, False, False)),
+    **dict.fromkeys(["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"],
+                    (r"\p{N}", True, False, False)),
+    "tekken": (_TEKKEN_SPLIT, False, True, True),
+    **dict.fromkeys(["gpt-4o", "llama4"], (_O200K_SPLIT, False, False, False)),
 }
 
 # Token texts llama.cpp treats as end-of-generation in addition to the eos/eot/eom ids.
@@ -109,8 +125,7 @@ class Tokenizer:
             _check_per_token(gguf, "tokenizer.ggml.token_type", types, n, int)
 
         if kind == "gpt2":
-            backend = _byte_level_bpe(gguf, tokens, meta.get("tokenizer.ggml.pre", "gpt2"))
-            add_bos_default = False
+            backend, add_bos_default = _byte_level_bpe(gguf, tokens, meta.get("tokenizer.ggml.pre", "gpt2"))
         elif kind == "llama":
             backend = _sentencepiece_bpe(gguf, tokens, ids["unknown"])
             add_bos_default = True
@@ -188,9 +203,10 @@ class StreamDecoder:
 
 
 def _byte_level_bpe(gguf, tokens, pre):
+    """(the backend, whether BOS is added where the file does not say)."""
     if pre not in _PRE:
         warnings.warn(f"{gguf.path}: unknown tokenizer.ggml.pre {pre!r}; using the GPT-2 pre-tokenizer")
-    split, gpt2_regex, ignore_merges = _PRE.get(pre, _PRE["gpt2"])
+    split, gpt2_regex, ignore_merges, add_bos = _PRE.get(pre, _GPT2)
     merges = []
     for m in gguf.get("tokenizer.ggml.merges"):
         pos = m.find(" ", 1) if isinstance(m, str) else -1  # as llama.cpp: a left part may start with a space
@@ -202,7 +218,7 @@ def _byte_level_bpe(gguf, tokens, pre):
     steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=gpt2_regex))
     backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
     backend.decoder = decoders.ByteLevel()
-    return backend
+    return backend, add_bos
 
 
 def _sentencepiece_bpe(gguf, tokens, unk_id):

@@ -327,3 +327,40 @@ def test_hf_folder_errors(tmp_path):
     (tmp_path / "tokenizer.json").write_text('{"model": 1}')
     with pytest.raises(ModelFileError, match="tokenizer.json: cannot load tokenizer"):
         Tokenizer.from_hf_folder(tmp_path)
+
+
+# every family of llama.cpp's byte-level pre-tokenizers the engine reads, one name of each
+PRE_FAMILIES = ["gpt-2", "llama-bpe", "dbrx", "qwen2", "smollm", "tekken", "gpt-4o"]
+PRE_TEXTS = ["HelloWorld and helloWORLD, McDonald's I'M you'RE", "digits 1234567 and 3.14159, x2y3",
+             "path/to/file.py\r\n\n  indented\ttab  ", "ÜberStraße naïve Ωmega 日本語テキスト 🤖🚀",
+             "don't won't it's we'll they've I'd", "<|im_start|>user\nHi!<|im_end|>", "  ", ""]
+
+
+@pytest.mark.parametrize("add_bos", [None, False])
+@pytest.mark.parametrize("pre", PRE_FAMILIES)
+def test_byte_level_pre_tokenizers_match_llama_cpp(tmp_path, default_model, pre, add_bos):
+    """SmolLM2's vocabulary and merges under each pre-tokenizer name, against llama.cpp's own tokenizer (where
+    llama-cpp-python is installed, as for the benchmarks); add_bos None: the file does not say, so the
+    family's default (BOS for llama-bpe and tekken)."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama.cpp's tokenizer is the reference "
+                                                        "(pip install llama-cpp-python, docs/benchmarks.md)")
+    gguf = pytest.importorskip("gguf")
+    src = gguf.GGUFReader(default_model)
+    w = gguf.GGUFWriter(str(tmp_path / "tok.gguf"), "llama")
+    for name, f in src.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "tokenizer.ggml.pre",
+                                                "tokenizer.ggml.add_bos_token"):
+            continue
+        array = f.types[0] == gguf.GGUFValueType.ARRAY
+        w.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[-1] if array else None)
+    w.add_tokenizer_pre(pre)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours = Tokenizer.from_gguf(GGUFFile(tmp_path / "tok.gguf"))
+    ref = llama_cpp.Llama(str(tmp_path / "tok.gguf"), vocab_only=True, verbose=False)
+    for text in PRE_TEXTS:
+        assert ours.encode(text) == ref.tokenize(text.encode(), add_bos=True, special=True), (pre, text)
