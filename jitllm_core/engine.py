@@ -15,7 +15,7 @@ import numpy as np
 
 from . import faults, ir, ops, quant, registry, tuning
 from .errors import ContextLimitError, JitllmError, check_whole, is_whole
-from .kvcache import PagePool, Sequence
+from .kvcache import SEQUENCES, PagePool, Sequence, first_live_page
 from .llama import Llama, interleaves
 from .memory import Arena
 from .modelfile import ModelFile
@@ -103,12 +103,13 @@ class UnitState:
 
 class Engine:
     def __init__(self, model=None, devices=None, placement="auto", threads=None, kv_dtype="f16",
-                 max_context=None, progress=None, mem=None, n_device_layers=None, activations="f32"):
+                 max_context=None, progress=None, mem=None, n_device_layers=None, activations="f32",
+                 max_sequences=SEQUENCES):
         if kv_dtype not in ("f16", "f32"):
             raise JitllmError(f"kv_dtype must be 'f16' or 'f32', not {kv_dtype!r}")
         if activations not in ACTIVATION_DIGITS:
             raise JitllmError(f"activations must be 'f32' or 'int8', not {activations!r}")
-        for name, v in (("threads", threads), ("max_context", max_context)):
+        for name, v in (("threads", threads), ("max_context", max_context), ("max_sequences", max_sequences)):
             if v is not None:  # None: all cores, the model's context (at most DEFAULT_CONTEXT)
                 check_whole(name, v, 1)
         self.model_path = str(model) if model is not None else default_model_path()
@@ -119,7 +120,8 @@ class Engine:
         self.max_context = min(int(max_context or min(cfg.context, DEFAULT_CONTEXT)), cfg.context)
         self.kv_dtype = kv_dtype
         n_pages = -(-self.max_context // PAGE)
-        self.model = Llama(self.mf, STEP_TOKENS, PAGE, n_pages, kv_dtype, ACTIVATION_DIGITS[activations])
+        self.model = Llama(self.mf, STEP_TOKENS, PAGE, n_pages, kv_dtype, ACTIVATION_DIGITS[activations],
+                           max_sequences)
         self.constants = self.model.constants_data()  # the rope tables
         self.devices = self._pick_devices(devices, threads)
         caps = {self._device_name(k): v for k, v in (mem or {}).items()}
@@ -217,9 +219,9 @@ class Engine:
         for name in [n for n in self.dev_state if n not in used]:
             self.dev_state.pop(name).release()
 
-    def _alloc_kv(self, dev_name):
+    def _alloc_kv(self, dev_name, unit):
         arena, m = self.arenas[dev_name], self.model
-        half = m.kv_bytes_per_layer() // 2
+        half = m.kv_bytes(unit) // 2
         kv = {}
         try:
             for name, size in (("k", half), ("v", half), ("ptab", m.n_pages * 4)):
@@ -240,8 +242,7 @@ class Engine:
         else:
             self._load_weights(unit, dev_name)
         if isinstance(unit, int):
-            st.kv = self._alloc_kv(dev_name)
-            st.pool = PagePool(self.model.n_pages)
+            st.kv, st.pool = self._alloc_kv(dev_name, unit), self.page_pool(unit)
         self.units[unit] = st
 
     def _bind(self, unit, dev_name, kv=None, slot=None, prefill=False):
@@ -346,16 +347,31 @@ class Engine:
     def free_sequence(self, seq):
         with self._lock:
             for u, pages in seq.pages.items():
-                self.units[u].pool.free(pages)
+                self.units[u].pool.free([p for p in pages if p is not None])
             seq.pages.clear()
             self.sequences.pop(seq.id, None)
 
-    def _ensure_pages(self, seq, end):
+    def page_pool(self, unit):
+        """A new KV page pool for a layer (`Llama.pool_pages`)."""
+        m = self.model
+        note = (f" (a sliding-window layer's pool holds {m.sequences} sequences' windows: Engine(max_sequences=))"
+                if self.config.window(unit) and m.pool_pages(unit) < m.n_pages else "")
+        return PagePool(m.pool_pages(unit), note)
+
+    def _ensure_pages(self, seq, pos, end):
+        """Pages for positions up to end, in every layer; a sliding-window layer's pages behind the window of the
+        step from pos freed first (never read again)."""
         need = -(-end // PAGE)
         for u, st in self.units.items():
             if st.pool is None:
                 continue
             pages = seq.pages.setdefault(u, [])
+            window = self.config.window(u)
+            for i in range(first_live_page(pos, window, PAGE) - 1 if window else -1, -1, -1):
+                if pages[i] is None:
+                    break
+                st.pool.free([pages[i]])
+                pages[i] = None
             while len(pages) < need:
                 pages.append(st.pool.alloc())
 
@@ -365,7 +381,8 @@ class Engine:
                 continue
             key = (seq.id, len(seq.pages[u]), st.kv["ptab"])
             if st.ptab_for != key:
-                self.devices[st.device].upload(st.kv["ptab"], np.asarray(seq.pages[u], np.int32))
+                # a freed page's entry is never read (the window starts after it)
+                self.devices[st.device].upload(st.kv["ptab"], np.asarray([0 if p is None else p for p in seq.pages[u]], np.int32))
                 st.ptab_for = key
 
     def _step(self, seq, tokens, t0):
@@ -378,7 +395,7 @@ class Engine:
         bad = next((t for t in tokens if not 0 <= t < self.config.vocab), None)
         if bad is not None:  # the embedding kernel would read outside its table
             raise JitllmError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab})")
-        self._ensure_pages(seq, pos + n)
+        self._ensure_pages(seq, pos, pos + n)
         self._upload_ptabs(seq)
         values = {"pos": pos, "n_tokens": n, "t0": t0, **self.model.constants}
         first = self.dev_state[self.segments[0].device]
@@ -431,7 +448,8 @@ class Engine:
         for u, st in self.units.items():
             b = self._unit_bytes(u)
             if st.pool is not None:
-                b += kv_row * (pos + n)
+                window = self.config.window(u)
+                b += kv_row * (min(pos + n, window + n - 1) if window else pos + n)
             self._account("bytes_read", st.device, b)
 
     # ------------------------------------------------------------------ public API

@@ -1,4 +1,5 @@
-"""KV pages: each layer has its own pool on its device; a sequence holds, per layer, the list of its pages."""
+"""KV pages: each layer has its own pool on its device; a sequence holds, per layer, the list of its pages (None
+for a page a sliding window has passed: freed back to the pool)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,14 +7,28 @@ from dataclasses import dataclass, field
 from .errors import ContextLimitError
 
 
+SEQUENCES = 4  # sequences alive at once whose sliding windows a windowed layer's pool holds, by default
+
+
+def window_pages(window, T, page):
+    """The most pages one sequence's sliding window of `window` keys needs at once: a step of T tokens reads from
+    its first query's window to its last token, window - 1 + T positions."""
+    return (window + T - 2) // page + 2
+
+
+def first_live_page(pos, window, page):
+    """The first page a step from position pos reads in a sliding window (those before it are dead)."""
+    return max(0, pos - window + 1) // page
+
+
 class PagePool:
-    def __init__(self, n_pages):
-        self.n_pages = n_pages
+    def __init__(self, n_pages, full_note=""):
+        self.n_pages, self.full_note = n_pages, full_note
         self.free_pages = list(range(n_pages - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
 
     def alloc(self):
         if not self.free_pages:
-            raise ContextLimitError(f"KV cache full: all {self.n_pages} pages are in use")
+            raise ContextLimitError(f"KV cache full: all {self.n_pages} pages are in use{self.full_note}")
         return self.free_pages.pop()
 
     def free(self, pages):

@@ -18,6 +18,7 @@ import numpy as np
 from . import ir, modelfile, ops, quant
 from .cache import cache_dir, digest, write_atomic
 from .errors import ModelFileError
+from .kvcache import SEQUENCES, window_pages
 from .modelfile import ModelFile, SpecFile
 from .quant import ROWS, get_format, packed_format, repack
 
@@ -84,11 +85,12 @@ def prefill_matmuls(fmt, rows, cols, T, accumulate=False, bias=False, tile=ops.G
 class Llama:
     """Kernels and buffer bindings for every unit of one model at one step size."""
 
-    def __init__(self, mf: ModelFile, T: int, page: int, n_pages: int, kv_dtype: str, digits=quant.DIGITS):
+    def __init__(self, mf: ModelFile, T: int, page: int, n_pages: int, kv_dtype: str, digits=quant.DIGITS,
+                 sequences=SEQUENCES):
         """n_pages: KV pages of each layer's pool, which is also the longest page table (one sequence may use
-        the whole pool)."""
+        the whole pool); a sliding-window layer's pool holds `sequences` windows instead (`pool_pages`)."""
         self.mf, self.cfg, self.T = mf, mf.config, T
-        self.page, self.n_pages, self.kv_dtype = page, n_pages, kv_dtype
+        self.page, self.n_pages, self.kv_dtype, self.sequences = page, n_pages, kv_dtype, sequences
         self.positions = page * n_pages  # the longest sequence: its rope table's rows
         self.digits = digits  # of the dot4 layouts' inputs: quant.DIGITS (as accurate as f32) or quant.INT8
         cfg = self.cfg
@@ -263,7 +265,7 @@ class Llama:
                       if c.final_softcap else [])]
         p, q, kv = f"blk.{unit}.", c.n_head * c.head_dim, c.n_kv * c.head_dim
         b = (lambda n: p + n + ".bias") if c.bias else (lambda n: None)
-        cache = dict(page=self.page, n_pages=self.n_pages, max_pages=self.n_pages, kv_dtype=self.kv_dtype)
+        cache = dict(page=self.page, n_pages=self.pool_pages(unit), max_pages=self.n_pages, kv_dtype=self.kv_dtype)
         kvb = {"ptab": "kv:ptab", "kc": "kv:k", "vc": "kv:v"}
         mm = functools.partial(self._mm, prefill=prefill, interleave=interleave, tile=tile)
         inputs = lambda x, cols, *names: self._inputs(x, cols, unit, [p + n + ".weight" for n in names], prefill,
@@ -322,8 +324,15 @@ class Llama:
         c = self.cfg
         return self.page * c.n_kv * c.head_dim * ir.STORAGE_DTYPES[self.kv_dtype]
 
-    def kv_bytes_per_layer(self):
-        return 2 * self.n_pages * self.page_bytes()
+    def pool_pages(self, unit):
+        """Pages of a layer's KV pool: the whole context's, or a sliding-window layer's `sequences` windows (the
+        pages behind a window are freed as it slides, `Engine._ensure_pages`)."""
+        window = self.cfg.window(unit)
+        return min(self.n_pages, self.sequences * window_pages(window, self.T, self.page)) if window else self.n_pages
+
+    def kv_bytes(self, unit):
+        """A layer's KV pool, K and V."""
+        return 2 * self.pool_pages(unit) * self.page_bytes()
 
 
 def model_kernels(path, T=64, page=16, context=None, kv_dtype="f16", interleave=True):

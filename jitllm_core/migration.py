@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 from . import faults, registry
 from .errors import JitllmError
-from .kvcache import PagePool
 
 _serial = threading.Lock()  # migrations run one after another, in the order they were asked for
 
@@ -131,7 +130,7 @@ class Migration:
             r.bytes_weights += eng._load_weights(u, self.target)
             self.weights_done.append(u)
             if eng.units[u].pool is not None:
-                self.staged[u] = {"kv": eng._alloc_kv(self.target), "pool": PagePool(eng.model.n_pages)}
+                self.staged[u] = {"kv": eng._alloc_kv(self.target, u), "pool": eng.page_pool(u)}
         r.paths["weights"] = "host-upload"
         self.layout = eng._layout()
         self.layout.update({u: (self.target, "resident") for u in self.moving})
@@ -143,11 +142,13 @@ class Migration:
         return self.eng._programs(self.layout, {u: s["kv"] for u, s in self.staged.items()}, measure=False)
 
     # -- 3: pages that are full never change again: copy them while the source keeps generating. The partial
-    # tail page is copied too (it warms the target's memory) and copied again in the pause.
+    # tail page is copied too (it warms the target's memory) and copied again in the pause. A sliding-window
+    # layer's pages are all copied in the pause: a few windows' worth, and the source frees and reuses them.
     def _precopy(self):
         eng = self.eng
+        whole = [u for u in self.staged if not eng.config.window(u)]
         with eng._lock:  # a consistent view of which pages are full right now
-            snapshot = [(seq.id, seq.n, {u: list(seq.pages.get(u, ())) for u in self.staged})
+            snapshot = [(seq.id, seq.n, {u: list(seq.pages.get(u, ())) for u in whole})
                         for seq in eng.sequences.values()]
         self.dirty, self.prefix = {}, {}
         for sid, n, pages in snapshot:
@@ -195,7 +196,8 @@ class Migration:
             for seq in eng.sequences.values():
                 for u in self.staged:
                     again = self.dirty.get((seq.id, u), ())
-                    r.bytes_in_pause += self._copy_pages(seq.id, u, seq.pages.get(u, []), again)
+                    live = [p for p in seq.pages.get(u, []) if p is not None]
+                    r.bytes_in_pause += self._copy_pages(seq.id, u, live, again)
             old = {u: (eng.units[u].device, eng.units[u].kv, eng.units[u].residency) for u in self.moving}
             for u in self.moving:  # the switch: nothing below can fail
                 st = eng.units[u]
@@ -205,7 +207,8 @@ class Migration:
                     for seq in eng.sequences.values():
                         if u in seq.pages:
                             head = self.prefix.get((seq.id, u), [])
-                            seq.pages[u] = head + [self.new_pages[(seq.id, u)][p] for p in seq.pages[u][len(head):]]
+                            moved = self.new_pages[(seq.id, u)]
+                            seq.pages[u] = head + [None if p is None else moved[p] for p in seq.pages[u][len(head):]]
             eng.segments = self.programs
             r.pause_ms = (time.perf_counter() - t) * 1e3
         # 5: free the source, after the pause (no step can use it any more)

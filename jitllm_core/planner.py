@@ -82,7 +82,7 @@ def hardware(devices: dict, arenas: dict, host: str, reserve=0) -> cm.Hardware:
 def shape(model) -> cm.ModelShape:
     """The cost model's view of a Llama (its units' weight and KV bytes, one activation row)."""
     units = model.units
-    kv = [model.kv_bytes_per_layer() if isinstance(u, int) else 0 for u in units]
+    kv = [model.kv_bytes(u) if isinstance(u, int) else 0 for u in units]
     return cm.ModelShape(len(units), [model.unit_bytes(u) for u in units], kv, model.cfg.dim * 4)
 
 
