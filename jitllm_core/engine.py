@@ -51,6 +51,24 @@ class Result:
     timings: dict = field(default_factory=dict)
 
 
+class Stream:
+    """What generate(stream=True) returns: iterate it for Events; `result` is this generation's Result, complete
+    once the iteration ends (eng.last is the latest generation's, whichever thread started it). close() ends the
+    generation early and frees its KV pages."""
+
+    def __init__(self, events, result):
+        self._events, self.result = events, result
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._events)
+
+    def close(self):
+        self._events.close()
+
+
 class DeviceState:
     """What one device holds for this engine: per-device activations, constants and resident weights."""
 
@@ -483,27 +501,29 @@ class Engine:
         stops = [stop] if isinstance(stop, str) else [] if stop is None else stop
         if not isinstance(stops, (list, tuple)) or not all(isinstance(x, str) and x for x in stops):
             raise JitllmError(f"stop is a non-empty string or a list of them, not {_brief(stop)}")
-        it = self._generate(self._encode(prompt), max_tokens, Sampler(temperature, top_k, top_p, seed),
-                            list(stops), ignore_eos)
-        if stream:
-            return it
-        for _ in it:
-            pass
-        return self.last
-
-    def chat(self, messages, **kw):
-        return self.generate(self.apply_chat_template(messages), **kw)
-
-    def _generate(self, ids, max_tokens, sampler, stops, ignore_eos):
+        ids = self._encode(prompt)
         if not ids:
             raise JitllmError("the prompt is empty")
         if len(ids) >= self.max_context:
             raise ContextLimitError(f"the prompt has {len(ids)} tokens; max_context is {self.max_context}")
+        result = Result([], "", "length")
+        it = self._generate(ids, max_tokens, Sampler(temperature, top_k, top_p, seed), list(stops), ignore_eos,
+                            result)
+        if stream:
+            return Stream(it, result)
+        for _ in it:
+            pass
+        return result
+
+    def chat(self, messages, **kw):
+        return self.generate(self.apply_chat_template(messages), **kw)
+
+    def _generate(self, ids, max_tokens, sampler, stops, ignore_eos, result):
         seq = self.new_sequence()
-        out, text, emitted, reason = [], "", 0, "length"
+        out, text, emitted, reason = result.token_ids, "", 0, "length"
         dec = StreamDecoder(self.tokenizer)
-        timings = {"prompt_tokens": len(ids), "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0}
-        self.last = Result(out, "", "length", timings)
+        timings = result.timings = {"prompt_tokens": len(ids), "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0}
+        self.last = result
         try:
             t = time.perf_counter()
             chunks = self._chunks(ids)
@@ -522,7 +542,7 @@ class Engine:
                 if hit >= 0:
                     text, reason = text[:hit], "stop"
                 safe = len(text) if hit >= 0 else len(text) - _held_back(text, stops)
-                self.last.text = text
+                result.text = text
                 if safe > emitted or hit < 0:
                     yield Event(tok, text[emitted:safe])
                     emitted = safe
@@ -539,7 +559,7 @@ class Engine:
             if reason != "stop":
                 text += dec.flush()
         finally:
-            self.last.text, self.last.finish_reason = text, reason
+            result.text, result.finish_reason = text, reason
             self.free_sequence(seq)
 
     def reset_stats(self):

@@ -5,6 +5,7 @@ import pytest
 import jitllm_core as jl
 from conftest import backend_device
 from jitllm_core import llama
+from jitllm_core.engine import Result
 from jitllm_core.llama import WIDE_THREADS
 from jitllm_core.profile import profile_decode
 from reference import agreeing_prefix, reference_logits, step_and_prompt_errors
@@ -63,9 +64,10 @@ def sampled_logits(eng, ids, n):
     def greedy(logits):
         rows.append(logits.copy())
         return int(np.argmax(logits))
-    for _ in eng._generate(ids, n, greedy, [], True):
+    result = Result([], "", "length")
+    for _ in eng._generate(ids, n, greedy, [], True, result):
         pass
-    return rows, eng.last.token_ids
+    return rows, result.token_ids
 
 
 def test_generation_logits_from_the_wanted_tokens_match_transformers(engines, default_model):
