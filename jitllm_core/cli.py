@@ -12,8 +12,9 @@ import sys
 import threading
 import time
 from collections import deque
+from pathlib import Path
 
-from .errors import JitllmError
+from .errors import JitllmError, check_whole
 from .plan_cli import add_plan_arguments, parse_mem, run_plan
 
 INSTALL_HINT = ("Install the CPU backend:  pip install jitllm-cpu-llvm\n"
@@ -82,6 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
                        description=CHAT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.set_defaults(func=cmd_chat)
 
+    p = sub.add_parser("serve", parents=[engine, threads], help="an OpenAI-compatible HTTP server: "
+                       "/v1/chat/completions, /v1/completions, /v1/models")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free one)")
+    p.add_argument("--max-sequences", type=int, default=4, metavar="N",
+                   help="requests whose sliding windows the KV cache holds at once (default 4)")
+    p.set_defaults(func=cmd_serve)
+
     p = sub.add_parser("devices", help="backends and devices found, with the reason for any that is missing")
     p.set_defaults(func=cmd_devices)
 
@@ -133,14 +142,14 @@ class ProgressBar:
             self.file.flush()
 
 
-def open_engine(args):
+def open_engine(args, **more):
     from .engine import Engine
 
     bar = ProgressBar(sys.stderr) if sys.stderr.isatty() else None
     try:
         return Engine(model=args.model, devices=args.device, threads=args.threads, kv_dtype=args.kv_dtype,
                       progress=bar, mem=parse_mem(args.mem), n_device_layers=args.n_device_layers,
-                      max_context=args.max_context, activations=args.activations)
+                      max_context=args.max_context, activations=args.activations, **more)
     finally:
         if bar:
             bar.clear()
@@ -330,6 +339,28 @@ def print_table(header, rows, file=None, right=()):
     for r in cells:
         print("  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip(),
               file=file or sys.stdout)
+
+
+def cmd_serve(args) -> int:
+    from .server import make_server
+    check_whole("port", args.port, 0)
+    eng = open_engine(args, max_sequences=args.max_sequences)
+    try:
+        server = make_server(eng, args.host, args.port)
+    except OSError as e:
+        eng.close()
+        raise JitllmError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from e
+    host, port = server.server_address[:2]
+    print(f"serving {Path(eng.model_path).name} on http://{host}:{port}/v1 (chat/completions, completions, models); "
+          "Ctrl-C stops", file=sys.stderr, flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print("[stopped]", file=sys.stderr)
+    finally:
+        server.server_close()
+        eng.close()
+    return 0
 
 
 def cmd_devices(args) -> int:

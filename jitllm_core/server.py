@@ -1,0 +1,210 @@
+"""`jitllm serve`: the engine behind an OpenAI-compatible HTTP API (the standard library's threading server).
+
+POST /v1/chat/completions and /v1/completions (whole replies, or server-sent events with "stream": true), GET
+/v1/models and /health. Each request runs in its own thread; the engine interleaves their steps (its lock is taken
+per step), so replies stream side by side. A request's options are checked before any token (400, naming the
+option); a client that goes away mid-stream ends its generation, which frees its KV pages.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from .errors import JitllmError
+
+# OpenAI's finish reasons for the engine's: the context filling up is a length limit too
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+# request fields that change what OpenAI returns, which this server does not compute: refused, not ignored
+UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "tools", "functions", "response_format",
+               "logit_bias")
+
+
+class BadRequest(JitllmError):
+    """A request the API refuses (400), naming the field."""
+
+    def __init__(self, message, param=None):
+        super().__init__(message)
+        self.param = param
+
+
+def _options(body, eng):
+    """The engine's generate options from a request body (OpenAI's names and defaults; top_k and ignore_eos as
+    llama.cpp's server takes them)."""
+    for name in UNSUPPORTED:
+        if body.get(name) not in (None, False, 0, [], {}):
+            raise BadRequest(f"{name} is not supported by this server", name)
+    if body.get("n", 1) != 1:
+        raise BadRequest("n must be 1 (one choice per request)", "n")
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    # each value checked by generate, which names it: the reply to a bad one is a 400 before any token
+    return {"max_tokens": eng.max_context if limit is None else limit,
+            "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
+            "top_k": body.get("top_k", 0), "seed": body.get("seed"), "stop": body.get("stop"),
+            "ignore_eos": bool(body.get("ignore_eos", False))}
+
+
+def _messages(body):
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list of {role, content}", "messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}] needs a role", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: the text ones joined
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
+            m = {**m, "content": "".join(p["text"] for p in content)}
+        elif not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be text", "messages")
+        messages[i] = m
+    return messages
+
+
+class Api:
+    """The routes, over one engine."""
+
+    def __init__(self, eng, name=None):
+        self.eng = eng
+        self.name = name or Path(eng.model_path).name
+
+    def models(self):
+        return {"object": "list", "data": [{"id": self.name, "object": "model", "owned_by": "jitllm",
+                                            "created": 0}]}
+
+    def start(self, path, body):
+        """(the reply's object kind, the engine's Stream) for a POST, every option checked."""
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        options = _options(body, self.eng)
+        if path == "/v1/chat/completions":
+            prompt = self.eng.apply_chat_template(_messages(body))
+            kind = "chat.completion"
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]  # a batch of one prompt
+            if not (isinstance(prompt, str) or isinstance(prompt, list)):
+                raise BadRequest("prompt must be a string or a list of token ids", "prompt")
+            kind = "text_completion"
+        return kind, self.eng.generate(prompt, stream=True, **options)
+
+    def reply(self, kind, stream, created, rid):
+        """The whole reply, once the generation ends."""
+        for _ in stream:
+            pass
+        r = stream.result
+        choice = ({"message": {"role": "assistant", "content": r.text}} if kind == "chat.completion"
+                  else {"text": r.text, "logprobs": None})
+        return {"id": rid, "object": kind, "created": created, "model": self.name,
+                "choices": [{"index": 0, **choice, "finish_reason": FINISH[r.finish_reason]}],
+                "usage": _usage(r)}
+
+    def chunks(self, kind, stream, created, rid):
+        """The reply as server-sent event payloads, the last carrying the finish reason and the usage."""
+        chat = kind == "chat.completion"
+        base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                "model": self.name}
+        piece = (lambda text, first=False: {"delta": {"role": "assistant", "content": text} if first else
+                                            {"content": text}}) if chat else (lambda text, first=False: {
+                                                "text": text, "logprobs": None})
+        first = True
+        for ev in stream:
+            if ev.text or first:
+                yield {**base, "choices": [{"index": 0, **piece(ev.text, first), "finish_reason": None}]}
+                first = False
+        r = stream.result
+        yield {**base, "choices": [{"index": 0, **piece("", first), "finish_reason": FINISH[r.finish_reason]}],
+               "usage": _usage(r)}
+
+
+def _usage(r):
+    prompt, done = r.timings.get("prompt_tokens", 0), len(r.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+
+class Handler(BaseHTTPRequestHandler):
+    api: Api = None  # set by make_server
+    protocol_version = "HTTP/1.1"
+    quiet = False
+
+    def log_message(self, fmt, *args):
+        if not self.quiet:
+            super().log_message(fmt, *args)
+
+    def _send(self, status, payload):
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, status, message, param=None, kind="invalid_request_error"):
+        self._send(status, {"error": {"message": message, "type": kind, "param": param, "code": None}})
+
+    def do_GET(self):
+        if self.path in ("/v1/models", "/models"):
+            self._send(200, self.api.models())
+        elif self.path == "/health":
+            self._send(200, {"status": "ok"})
+        else:
+            self._error(404, f"no route GET {self.path}")
+
+    def do_POST(self):
+        path = self.path if self.path.startswith("/v1/") else "/v1" + self.path
+        if path not in ("/v1/chat/completions", "/v1/completions"):
+            self._error(404, f"no route POST {self.path}")
+            return
+        try:
+            size = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(size) or b"null")
+        except (ValueError, UnicodeDecodeError) as e:
+            self._error(400, f"the request body is not JSON: {e}")
+            return
+        try:
+            kind, stream = self.api.start(path, body)
+        except BadRequest as e:
+            self._error(400, str(e), e.param)
+            return
+        except JitllmError as e:  # the engine's own checks (an option's value, the context limit)
+            self._error(400, str(e))
+            return
+        created, rid = int(time.time()), f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
+        try:
+            if body.get("stream"):
+                self._stream(self.api.chunks(kind, stream, created, rid))
+            else:
+                self._send(200, self.api.reply(kind, stream, created, rid))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client left: its generation ends below
+        except JitllmError as e:  # e.g. the engine closed mid-reply
+            if not body.get("stream"):
+                self._error(500, str(e), kind="server_error")
+        finally:
+            stream.close()  # frees the sequence's KV pages, whether it finished or not
+
+    def _stream(self, chunks):
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        for chunk in chunks:
+            self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            self.wfile.flush()
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+
+
+def make_server(eng, host="127.0.0.1", port=8080, name=None, quiet=False):
+    """A ThreadingHTTPServer serving eng (port 0: any free port, `server.server_address[1]`)."""
+    handler = type("JitllmHandler", (Handler,), {"api": Api(eng, name), "quiet": quiet})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    return server

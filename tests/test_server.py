@@ -1,0 +1,132 @@
+"""`jitllm serve`'s OpenAI-compatible API over HTTP: replies equal the engine's own generations, streamed or
+whole, side by side; bad requests are refused before any token, naming the field; a client that leaves mid-stream
+frees its KV pages."""
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import jitllm_core as jl
+from jitllm_core.server import make_server
+
+CHAT = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def served(default_model, cpu):
+    eng = jl.Engine(default_model, devices=["cpu"])
+    server = make_server(eng, port=0, quiet=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield eng, server.server_address[1]
+    server.shutdown()
+    server.server_close()
+    eng.close()
+
+
+def request(port, method, path, body=None, raw=None):
+    """(status, the JSON reply or the list of server-sent event payloads)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request(method, path, body=raw if raw is not None else (json.dumps(body) if body is not None else None),
+                 headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    data = r.read().decode()
+    conn.close()
+    if r.getheader("Content-Type") == "text/event-stream":
+        events = [line[len("data: "):] for line in data.split("\n\n") if line]
+        assert events[-1] == "[DONE]"
+        return r.status, [json.loads(e) for e in events[:-1]]
+    return r.status, json.loads(data)
+
+
+def test_models_and_health(served):
+    eng, port = served
+    assert request(port, "GET", "/health") == (200, {"status": "ok"})
+    status, models = request(port, "GET", "/v1/models")
+    assert status == 200 and models["data"][0]["id"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert request(port, "GET", "/v1/nothing")[0] == 404
+
+
+def test_chat_completion_is_the_engines_reply(served):
+    eng, port = served
+    want = eng.chat(CHAT, max_tokens=24)
+    status, got = request(port, "POST", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 24,
+                                                                 "temperature": 0})
+    assert status == 200 and got["object"] == "chat.completion"
+    assert got["choices"][0]["message"] == {"role": "assistant", "content": want.text}
+    assert got["choices"][0]["finish_reason"] == {"eos": "stop", "length": "length"}[want.finish_reason]
+    assert got["usage"]["completion_tokens"] == len(want.token_ids) and got["usage"]["prompt_tokens"] == \
+        want.timings["prompt_tokens"]
+
+
+def test_streamed_completions_side_by_side(served):
+    """Two streams at once (the engine interleaves their steps), each the text a generation alone gives."""
+    eng, port = served
+    prompts = ["Once upon a time", "The three primary colors are"]
+    want = [eng.generate(p, max_tokens=20, ignore_eos=True) for p in prompts]
+    got = [None, None]
+
+    def fetch(i):
+        got[i] = request(port, "POST", "/v1/completions", {"prompt": prompts[i], "max_tokens": 20, "temperature": 0,
+                                                           "ignore_eos": True, "stream": True})
+    threads = [threading.Thread(target=fetch, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for (status, chunks), w in zip(got, want):
+        assert status == 200 and len(chunks) > 2
+        assert "".join(c["choices"][0]["text"] for c in chunks) == w.text
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 20
+    # a chat stream: the role first, then the content in pieces
+    status, chunks = request(port, "POST", "/chat/completions", {"messages": CHAT, "max_tokens": 24,
+                                                                 "temperature": 0, "stream": True})
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == eng.chat(CHAT, max_tokens=24).text
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"prompt": "Hi", "temperature": -1}, "temperature must be a finite number >= 0"),
+    ({"prompt": "Hi", "max_tokens": -3}, "max_tokens must be a whole number >= 0"),
+    ({"prompt": "Hi", "n": 2}, "n must be 1"),
+    ({"prompt": "Hi", "logprobs": 5}, "logprobs is not supported"),
+    ({"prompt": {"text": "Hi"}}, "prompt must be a string or a list of token ids"),
+    ({"prompt": ""}, "the prompt is empty"),
+    ({"prompt": "Hi", "stop": [""]}, "stop is a non-empty string or a list of them"),
+    ({"messages": []}, "messages must be a non-empty list"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts are supported"),
+    ([1, 2], "the request body must be a JSON object"),
+])
+def test_bad_requests_are_refused_naming_the_field(served, body, words):
+    eng, port = served
+    path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
+    status, reply = request(port, "POST", path, body)
+    assert status == 400 and words in reply["error"]["message"], reply
+    assert request(port, "POST", "/v1/completions", raw="{not json")[0] == 400
+
+
+def test_a_client_that_leaves_frees_its_pages(served):
+    eng, port = served
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        body = json.dumps({"prompt": "Tell me a long story.", "max_tokens": 4000, "ignore_eos": True,
+                           "stream": True}).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        seen = b""
+        while b"data: " not in seen:  # streaming has begun
+            seen += s.recv(4096)
+    for _ in range(200):  # the server notices at its next write (a whole reply would take half a minute)
+        if not eng.sequences:
+            break
+        threading.Event().wait(0.05)
+    assert not eng.sequences and all(st.pool.used == 0 for st in eng.units.values() if st.pool)
+    assert request(port, "GET", "/health")[0] == 200
+
+
+def test_serve_command_refuses_a_bad_port():
+    out = subprocess.run([sys.executable, "-m", "jitllm_core.cli", "serve", "--port", "-1"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode != 0 and "port must be a whole number >= 0" in out.stderr
