@@ -109,17 +109,21 @@ class Api:
         chat = kind == "chat.completion"
         base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
                 "model": self.name}
-        piece = (lambda text, first=False: {"delta": {"role": "assistant", "content": text} if first else
-                                            {"content": text}}) if chat else (lambda text, first=False: {
-                                                "text": text, "logprobs": None})
         first = True
         for ev in stream:
             if ev.text or first:
-                yield {**base, "choices": [{"index": 0, **piece(ev.text, first), "finish_reason": None}]}
+                yield {**base, "choices": [{"index": 0, **_piece(chat, ev.text, first), "finish_reason": None}]}
                 first = False
         r = stream.result
-        yield {**base, "choices": [{"index": 0, **piece("", first), "finish_reason": FINISH[r.finish_reason]}],
+        yield {**base, "choices": [{"index": 0, **_piece(chat, "", first), "finish_reason": FINISH[r.finish_reason]}],
                "usage": _usage(r)}
+
+
+def _piece(chat, text, first):
+    """A chunk's text: a chat's delta (its role in the first), or a completion's text."""
+    if not chat:
+        return {"text": text, "logprobs": None}
+    return {"delta": {"role": "assistant", "content": text} if first else {"content": text}}
 
 
 def _usage(r):
