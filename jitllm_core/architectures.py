@@ -281,7 +281,8 @@ def gguf_features(cfg, arch, get):
     if arch.startswith("gemma"):
         # llama.cpp scales the scores of its 27B Gemmas by the embedding per head, not the head size
         big = (arch, cfg.n_layer) in (("gemma2", 46), ("gemma3", 62))
-        gemma(cfg, arch, *(get(key, float, 0.0) for key in GEMMA_CAPS), cfg.dim / cfg.n_head if big else None)
+        gemma(cfg, arch, *(get(key, float, 0.0) for key in GEMMA_CAPS), cfg.dim / cfg.n_head if big else None,
+              get("rope.freq_base_swa", float, 0.0) or None)  # newer converters write the local base
         cfg.full_layers = every_kth(cfg.n_layer, GEMMA_FULL_EVERY[arch])
     if arch.startswith("gemma") or arch == "phi3":  # Phi-3's every layer slides, where the file says so
         cfg.sliding_window = get("attention.sliding_window", int, 0)

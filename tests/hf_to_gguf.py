@@ -54,6 +54,8 @@ def write(model, arch, path, tokenizer_gguf, matrix_type="Q8_0"):
     gemma = arch.startswith("gemma")
     if gemma:
         w.add_sliding_window(c.sliding_window)
+    if "sliding_attention" in c.rope_parameters:  # Gemma 3's local rope base, as newer converters write it
+        w.add_float32(f"{arch}.rope.freq_base_swa", c.rope_parameters["sliding_attention"]["rope_theta"])
     if arch == "granite":
         w.add_float32("granite.embedding_scale", c.embedding_multiplier)
         w.add_float32("granite.residual_scale", c.residual_multiplier)

@@ -28,6 +28,11 @@ GGUF_VARIANTS = {"phi3-gguf": ("Phi3Config", "float32", {"rope_theta": 1e4}, {})
                      "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
                      {**GEMMA_TIED, "num_hidden_layers": 6})}
 
+# transformers reads no local rope base from a GGUF file: this one against its source
+GGUF_VARIANTS["gemma3-swa-base"] = ("Gemma3TextConfig", "float32", {
+    "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 5e4}}, {**GEMMA_TIED, "num_hidden_layers": 6})
+
 ARCHS = {"llama": "llama-f32", "qwen2": "qwen2-f32", "qwen3": "qwen3-f32",  # arch -> HF variant
          "phi3": "phi3-gguf", "gemma2": "gemma2-gguf", "gemma3": "gemma3-gguf"}
 
@@ -49,15 +54,16 @@ def gguf_models(tmp_path_factory, default_model):
     ("llama", "llama-rope-yarn", None, 80),
     # LongRoPE's long factors (the engine's 512 positions are past the original 64, and so are transformers' 80),
     # and its short ones (an engine of 64 positions, 40 of them)
-    ("phi3", "phi3-longrope", None, 80), ("phi3", "phi3-longrope", 64, 40)])
+    ("phi3", "phi3-longrope", None, 80), ("phi3", "phi3-longrope", 64, 40),
+    ("gemma3", "gemma3-swa-base", None, 40)])
 def test_gguf_transformers_cannot_read_matches_its_source(cpu, tmp_path, default_model, arch, variant, max_context,
                                                           n):
     """GGUF files transformers does not read (SmolLM3's last layer in 4 without rope, Granite's multipliers,
-    YaRN's and LongRoPE's keys and Phi-3's rope over part of each head): with F32 matrices, against the transformers
-    model each was written from."""
+    YaRN's and LongRoPE's keys and Phi-3's rope over part of each head, Gemma 3's local rope base): with F32
+    matrices, against the transformers model each was written from."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(default_model),
                                                            gguf_file=os.path.basename(default_model))
-    model = _build(tmp_path / variant, variant, tokenizer)
+    model = _build(tmp_path / variant, variant, tokenizer, {**VARIANTS, **GGUF_VARIANTS}[variant])
     path = hf_to_gguf.write(model, arch, tmp_path / f"{arch}.gguf", default_model, matrix_type="F32")
     with jl.Engine(path, devices=["cpu"], kv_dtype="f32", max_context=max_context) as eng:
         ids = (eng.tokenizer.encode(PROMPTS[0]) * 3)[:n]
