@@ -142,14 +142,17 @@ class ProgressBar:
             self.file.flush()
 
 
-def open_engine(args, **more):
+def open_engine(args, max_sequences=1):
+    """The engine the options ask for; run and chat generate one sequence at a time, so a sliding-window layer's
+    KV pool holds one window (`jitllm serve` takes --max-sequences)."""
     from .engine import Engine
 
     bar = ProgressBar(sys.stderr) if sys.stderr.isatty() else None
     try:
         return Engine(model=args.model, devices=args.device, threads=args.threads, kv_dtype=args.kv_dtype,
                       progress=bar, mem=parse_mem(args.mem), n_device_layers=args.n_device_layers,
-                      max_context=args.max_context, activations=args.activations, **more)
+                      max_context=args.max_context, activations=args.activations,
+                      max_sequences=max_sequences)
     finally:
         if bar:
             bar.clear()
