@@ -15,7 +15,7 @@ import numpy as np
 
 from . import faults, ir, ops, quant, registry, tuning
 from .errors import ContextLimitError, JitllmError, check_whole, is_whole
-from .kvcache import SEQUENCES, PagePool, Sequence, first_live_page
+from .kvcache import SEQUENCES, PagePool, Parked, Sequence, first_live_page
 from .llama import Llama, interleaves
 from .memory import Arena
 from .modelfile import ModelFile
@@ -122,7 +122,7 @@ class UnitState:
 class Engine:
     def __init__(self, model=None, devices=None, placement="auto", threads=None, kv_dtype="f16",
                  max_context=None, progress=None, mem=None, n_device_layers=None, activations="f32",
-                 max_sequences=SEQUENCES):
+                 max_sequences=SEQUENCES, prompt_cache=True):
         if kv_dtype not in ("f16", "f32"):
             raise JitllmError(f"kv_dtype must be 'f16' or 'f32', not {kv_dtype!r}")
         if activations not in ACTIVATION_DIGITS:
@@ -147,6 +147,8 @@ class Engine:
         self._lock = threading.Lock()
         self._seq_ids = iter(range(1, 1 << 62))
         self.sequences = {}
+        self.prompt_cache = prompt_cache
+        self.parked = []    # finished generations' sequences, oldest first (`Parked`): the prompt cache
         self.dev_state = {}
         self.units = {}
         self.segments = []
@@ -364,10 +366,50 @@ class Engine:
 
     def free_sequence(self, seq):
         with self._lock:
-            for u, pages in seq.pages.items():
-                self.units[u].pool.free([p for p in pages if p is not None])
-            seq.pages.clear()
-            self.sequences.pop(seq.id, None)
+            self._release(seq)
+
+    def _release(self, seq):
+        """Give a sequence's pages back to their pools. Lock held."""
+        for u, pages in seq.pages.items():
+            self.units[u].pool.free([p for p in pages if p is not None])
+        seq.pages.clear()
+        self.sequences.pop(seq.id, None)
+
+    # -- the prompt cache: a finished generation's sequence is parked with its tokens; a later prompt that starts
+    # with them resumes it (a chat's next turn, the same prompt again) instead of computing those positions again
+    def _park(self, seq, tokens, exact):
+        with self._lock:
+            if not self.segments:  # closed meanwhile: the pages went with the pools
+                return
+            self.parked.append(Parked(seq, tokens, exact))
+            while len(self.parked) > self.model.sequences:
+                self._release(self.parked.pop(0).seq)
+
+    def _resume(self, ids):
+        """(a sequence for a prompt, the positions it already holds): the parked one that holds the most of the
+        prompt, cut back to those positions, else a new one. Lock held."""
+        best, held = None, 0
+        for p in self.parked if self.prompt_cache else ():
+            n = p.reusable(ids, self.model.T)
+            if n > held and self._windows_hold(p.seq, n):
+                best, held = p, n
+        if best is None:
+            return self.new_sequence(), 0
+        self.parked.remove(best)
+        seq, keep = best.seq, -(-held // PAGE)
+        for u, pages in seq.pages.items():
+            self.units[u].pool.free([p for p in pages[keep:] if p is not None])
+            del pages[keep:]
+        # a new identity: the page tables uploaded for it, and what a migration under way copied of it, are stale
+        self.sequences.pop(seq.id)
+        seq.id, seq.n = next(self._seq_ids), held
+        self.sequences[seq.id] = seq
+        return seq, held
+
+    def _windows_hold(self, seq, n):
+        """Whether every sliding-window layer still holds the pages a step from position n reads."""
+        return all(seq.pages[u][i] is not None for u in seq.pages if self.config.window(u)
+                   for i in range(first_live_page(n, self.config.window(u), PAGE), -(-n // PAGE)))
 
     def page_pool(self, unit):
         """A new KV page pool for a layer (`Llama.pool_pages`)."""
@@ -391,6 +433,8 @@ class Engine:
                 st.pool.free([pages[i]])
                 pages[i] = None
             while len(pages) < need:
+                while not st.pool.free_pages and self.parked:  # a full pool: parked sequences go first, oldest first
+                    self._release(self.parked.pop(0).seq)
                 pages.append(st.pool.alloc())
 
     def _upload_ptabs(self, seq):
@@ -519,14 +563,16 @@ class Engine:
         return self.generate(self.apply_chat_template(messages), **kw)
 
     def _generate(self, ids, max_tokens, sampler, stops, ignore_eos, result):
-        seq = self.new_sequence()
-        out, text, emitted, reason = result.token_ids, "", 0, "length"
+        with self._lock:
+            seq, cached = self._resume(ids)
+        out, text, emitted, reason, clean = result.token_ids, "", 0, "length", False
         dec = StreamDecoder(self.tokenizer)
-        timings = result.timings = {"prompt_tokens": len(ids), "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0}
+        timings = result.timings = {"prompt_tokens": len(ids), "cached_tokens": cached, "prefill_s": 0.0,
+                                    "decode_tokens": 0, "decode_s": 0.0}
         self.last = result
         try:
             t = time.perf_counter()
-            chunks = self._chunks(ids)
+            chunks = self._chunks(ids[cached:])  # from a step boundary: the steps a fresh run takes
             for i, chunk in enumerate(chunks):
                 with self._lock:  # logits of the last chunk's last token only
                     logits = self._step(seq, chunk, len(chunk) - 1 if i == len(chunks) - 1 else len(chunk))
@@ -558,9 +604,16 @@ class Engine:
                 timings["decode_tokens"] += 1
             if reason != "stop":
                 text += dec.flush()
+            clean = True
+        except GeneratorExit:  # closed early: what the sequence holds is whole
+            clean = True
+            raise
         finally:
             result.text, result.finish_reason = text, reason
-            self.free_sequence(seq)
+            if clean and self.prompt_cache:
+                self._park(seq, (ids + out)[:seq.n], len(ids) // self.model.T * self.model.T)
+            else:
+                self.free_sequence(seq)
 
     def reset_stats(self):
         self.stats.update(steps=0, tokens=0, bytes_read={}, bytes_crossed={}, crossings=0)
@@ -590,7 +643,7 @@ class Engine:
                 ds.release()
             for seq in self.sequences.values():  # their pages went with the pools: a stream still open frees none
                 seq.pages.clear()
-            self.units, self.dev_state, self.segments, self.sequences = {}, {}, [], {}
+            self.units, self.dev_state, self.segments, self.sequences, self.parked = {}, {}, [], {}, []
 
 
 class Session:

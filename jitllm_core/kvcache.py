@@ -44,3 +44,19 @@ class Sequence:
     id: int
     n: int = 0                                  # positions already in the cache
     pages: dict = field(default_factory=dict)   # unit -> [page index in that unit's pool]
+
+
+@dataclass
+class Parked:
+    """A finished generation's sequence, kept for a later prompt that starts with its tokens (the prompt cache)."""
+    seq: Sequence
+    tokens: list   # the tokens whose KV it holds (seq.n of them)
+    exact: int     # its first positions computed in whole steps from a step boundary: as a fresh prompt's are
+
+    def reusable(self, ids, step):
+        """Positions of its KV a prompt `ids` can start from: the common prefix within the exact part, one token
+        left to feed, in whole steps -- so that the prompt's steps are those a fresh run takes, and its logits the
+        same bit for bit."""
+        n = min(self.exact, len(ids) - 1)
+        common = next((i for i, (a, b) in enumerate(zip(self.tokens[:n], ids[:n])) if a != b), n)
+        return common // step * step

@@ -198,6 +198,10 @@ class Migration:
                     again = self.dirty.get((seq.id, u), ())
                     live = [p for p in seq.pages.get(u, []) if p is not None]
                     r.bytes_in_pause += self._copy_pages(seq.id, u, live, again)
+            live = {seq.id for seq in eng.sequences.values()}
+            for (sid, u), mapping in self.new_pages.items():  # sequences gone (or resumed anew) since the pre-copy
+                if sid not in live:
+                    self.staged[u]["pool"].free(list(mapping.values()))
             old = {u: (eng.units[u].device, eng.units[u].kv, eng.units[u].residency) for u in self.moving}
             for u in self.moving:  # the switch: nothing below can fail
                 st = eng.units[u]

@@ -96,6 +96,15 @@ def test_two_sessions_keep_their_kv(eng):
     assert np.array_equal(got_a, ref_a[-5:]) and np.array_equal(got_b, ref_b[-5:])
 
 
+def test_a_parked_sequence_moves_along(eng):
+    """The prompt cache's sequences are the engine's: they move with their layers and are resumed after."""
+    prompt = " ".join([PROMPT] * 8)  # more than a step of 128 tokens
+    first = eng.generate(prompt, max_tokens=8)
+    assert eng.migrate("0-29", "cpu:1").ok
+    again = eng.generate(prompt, max_tokens=8)
+    assert again.timings["cached_tokens"] > 0 and again.token_ids == first.token_ids
+
+
 def test_noop_and_queued_migrations(eng):
     assert eng.migrate("0-29", "cpu:0").noop
     h1, h2 = eng.migrate("0-14", "cpu:1", wait=False), eng.migrate("0-29", "cpu:1", wait=False)

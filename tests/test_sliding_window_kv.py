@@ -92,3 +92,21 @@ def test_migration_moves_only_the_live_window(models):
     assert all(r.ok and r.recomputed_tokens == 0 for r in reports), [str(r) for r in reports]
     # a windowed layer's pages: at most a window's for each sequence, all copied in the pause
     assert reports[0].bytes_in_pause > 0
+
+
+def test_prompt_cache_with_windows(models):
+    """A parked sequence whose windows still hold the pages a resumed step reads is resumed, else not; the one
+    window a pool of max_sequences=1 holds is taken back for a new prompt. Tokens as a fresh run's."""
+    folder, _ = models["gemma3-f32"]
+    with jl.Engine(folder, devices=["cpu"], kv_dtype="f32", max_sequences=1) as eng, \
+            jl.Engine(folder, devices=["cpu"], kv_dtype="f32", max_sequences=1, prompt_cache=False) as fresh:
+        ids = long_ids(eng)
+        eng.generate(ids, max_tokens=1)  # no decode step: the windows still hold position 256's pages
+        again = eng.generate(ids, max_tokens=8, ignore_eos=True)
+        assert again.timings["cached_tokens"] == 256
+        assert again.token_ids == fresh.generate(ids, max_tokens=8, ignore_eos=True).token_ids
+        # 7 decode steps on, the windows have passed position 256's pages: computed afresh
+        assert eng.generate(ids, max_tokens=4).timings["cached_tokens"] == 0
+        other = ids[::-1][:200]
+        assert eng.generate(other, max_tokens=6, ignore_eos=True).token_ids == \
+            fresh.generate(other, max_tokens=6, ignore_eos=True).token_ids
