@@ -133,7 +133,9 @@ def run_bench(model=None, devices=None, kv_dtype="f16", threads=(1, 2), prompt_t
     results, model_path = [], None
     for n in threads:
         print(f"bench: {n} thread(s): loading, measuring read bandwidth, warming up ...", file=sys.stderr)
-        eng = Engine(model=model, devices=devices or ["cpu"], threads=n, kv_dtype=kv_dtype, activations=activations)
+        # no prompt cache: each run computes its whole prompt, as llama.cpp's (reset before each) does
+        eng = Engine(model=model, devices=devices or ["cpu"], threads=n, kv_dtype=kv_dtype, activations=activations,
+                     prompt_cache=False)
         peer = None
         try:
             model_path = eng.model_path
