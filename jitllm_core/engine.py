@@ -41,6 +41,7 @@ ACTIVATION_DIGITS = {"f32": quant.DIGITS, "int8": quant.INT8}
 class Event:
     token_id: int
     text: str
+    logprob: tuple = None  # with generate(logprobs=N): (the token's log probability, [(token id, log prob)] * N)
 
 
 @dataclass
@@ -49,6 +50,17 @@ class Result:
     text: str
     finish_reason: str
     timings: dict = field(default_factory=dict)
+    logprobs: list = None  # with generate(logprobs=N): each token's (log probability, its N likeliest alternatives)
+
+
+def log_probs(logits, token, n):
+    """(token's log probability under the model's distribution -- the logits' softmax, before any temperature --,
+    the n likeliest tokens' [(id, log probability)], likeliest first)."""
+    z = logits.astype(np.float64)
+    z -= z.max() + np.log(np.exp(z - z.max()).sum())
+    top = np.argpartition(-z, n)[:n] if 0 < n < len(z) else np.arange(len(z) if n else 0)
+    top = top[np.argsort(-z[top], kind="stable")]
+    return float(z[token]), [(int(i), float(z[i])) for i in top]
 
 
 class Stream:
@@ -540,8 +552,10 @@ class Engine:
             return s.feed(token_ids)
 
     def generate(self, prompt, max_tokens=256, temperature=0.0, top_k=0, top_p=1.0, seed=None, stop=None,
-                 ignore_eos=False, stream=False):
+                 ignore_eos=False, stream=False, logprobs=None):
         check_options(max_tokens=max_tokens)
+        if logprobs is not None:
+            check_whole("logprobs", logprobs, 0)
         stops = [stop] if isinstance(stop, str) else [] if stop is None else stop
         if not isinstance(stops, (list, tuple)) or not all(isinstance(x, str) and x for x in stops):
             raise JitllmError(f"stop is a non-empty string or a list of them, not {_brief(stop)}")
@@ -550,9 +564,9 @@ class Engine:
             raise JitllmError("the prompt is empty")
         if len(ids) >= self.max_context:
             raise ContextLimitError(f"the prompt has {len(ids)} tokens; max_context is {self.max_context}")
-        result = Result([], "", "length")
+        result = Result([], "", "length", logprobs=None if logprobs is None else [])
         it = self._generate(ids, max_tokens, Sampler(temperature, top_k, top_p, seed), list(stops), ignore_eos,
-                            result)
+                            result, logprobs)
         if stream:
             return Stream(it, result)
         for _ in it:
@@ -562,7 +576,7 @@ class Engine:
     def chat(self, messages, **kw):
         return self.generate(self.apply_chat_template(messages), **kw)
 
-    def _generate(self, ids, max_tokens, sampler, stops, ignore_eos, result):
+    def _generate(self, ids, max_tokens, sampler, stops, ignore_eos, result, logprobs=None):
         with self._lock:
             seq, cached = self._resume(ids)
         out, text, emitted, reason, clean = result.token_ids, "", 0, "length", False
@@ -583,6 +597,9 @@ class Engine:
                     reason = "eos"
                     break
                 out.append(tok)
+                lp = None if logprobs is None else log_probs(logits[-1], tok, logprobs)
+                if lp is not None:
+                    result.logprobs.append(lp)
                 text += dec.push(tok)
                 hit = min((text.find(s) for s in stops if s in text), default=-1)
                 if hit >= 0:
@@ -590,7 +607,7 @@ class Engine:
                 safe = len(text) if hit >= 0 else len(text) - _held_back(text, stops)
                 result.text = text
                 if safe > emitted or hit < 0:
-                    yield Event(tok, text[emitted:safe])
+                    yield Event(tok, text[emitted:safe], lp)
                     emitted = safe
                 if hit >= 0 or len(out) >= max_tokens:
                     break

@@ -1,7 +1,8 @@
 """`jitllm serve`: the engine behind an OpenAI-compatible HTTP API (the standard library's threading server).
 
-POST /v1/chat/completions and /v1/completions (whole replies, or server-sent events with "stream": true), GET
-/v1/models and /health. Each request runs in its own thread; the engine interleaves their steps (its lock is taken
+POST /v1/chat/completions and /v1/completions (whole replies, or server-sent events with "stream": true;
+log probabilities, and a completion's prompt echoed with its own: what evaluation harnesses ask), GET /v1/models
+and /health. Each request runs in its own thread; the engine interleaves their steps (its lock is taken
 per step), so replies stream side by side. A request's options are checked before any token (400, naming the
 option); a client that goes away mid-stream ends its generation, which frees its KV pages.
 """
@@ -13,13 +14,14 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from .errors import JitllmError
+from .engine import log_probs
+from .errors import JitllmError, check_whole
 
 # OpenAI's finish reasons for the engine's: the context filling up is a length limit too
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 # request fields that change what OpenAI returns, which this server does not compute: refused, not ignored
-UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "tools", "functions", "response_format",
-               "logit_bias")
+UNSUPPORTED = ("best_of", "suffix", "tools", "functions", "response_format", "logit_bias")
+MAX_LOGPROBS = 20  # alternatives per token, at most (OpenAI's limit)
 
 
 class BadRequest(JitllmError):
@@ -40,10 +42,32 @@ def _options(body, eng):
         raise BadRequest("n must be 1 (one choice per request)", "n")
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     # each value checked by generate, which names it: the reply to a bad one is a 400 before any token
-    return {"max_tokens": eng.max_context if limit is None else limit,
+    return {"max_tokens": eng.max_context if limit is None else limit, "logprobs": _logprobs(body),
             "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
             "top_k": body.get("top_k", 0), "seed": body.get("seed"), "stop": body.get("stop"),
             "ignore_eos": bool(body.get("ignore_eos", False))}
+
+
+def _logprobs(body):
+    """Alternatives per token the request asks for, None for no log probabilities: a completion's logprobs: N, a
+    chat's logprobs: true with top_logprobs: N."""
+    chat = "messages" in body
+    want = body.get("logprobs")
+    if chat:
+        n = body.get("top_logprobs", 0) if want else None
+        if not want and body.get("top_logprobs"):
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    else:
+        n = None if want is None or want is False else want
+    if n is not None:
+        try:
+            check_whole("top_logprobs" if chat else "logprobs", n, 0)
+        except JitllmError as e:
+            raise BadRequest(str(e), "top_logprobs" if chat else "logprobs") from None
+        if n > MAX_LOGPROBS:
+            raise BadRequest(f"at most {MAX_LOGPROBS} log probabilities per token", "top_logprobs" if chat else
+                             "logprobs")
+    return n
 
 
 def _messages(body):
@@ -77,53 +101,111 @@ class Api:
                                             "created": 0}]}
 
     def start(self, path, body):
-        """(the reply's object kind, the engine's Stream) for a POST, every option checked."""
+        """A Request for a POST, every option checked."""
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
         options = _options(body, self.eng)
-        if path == "/v1/chat/completions":
+        chat = path == "/v1/chat/completions"
+        if chat:
             prompt = self.eng.apply_chat_template(_messages(body))
-            kind = "chat.completion"
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
                 prompt = prompt[0]  # a batch of one prompt
             if not (isinstance(prompt, str) or isinstance(prompt, list)):
                 raise BadRequest("prompt must be a string or a list of token ids", "prompt")
-            kind = "text_completion"
-        return kind, self.eng.generate(prompt, stream=True, **options)
+        echo = bool(body.get("echo")) and not chat
+        ids = self.eng._encode(prompt) if echo else None
+        stream = self.eng.generate(prompt, stream=True, **options) if not echo or options["max_tokens"] else None
+        return Request(self, chat, stream, options["logprobs"], ids)
 
-    def reply(self, kind, stream, created, rid):
+    def pieces(self, ids, lps):
+        """A completion's logprobs object for tokens and their (logprob, alternatives), None where unknown."""
+        tok = self.eng.tokenizer
+        return {"tokens": [tok.token_to_piece(i) for i in ids],
+                "token_logprobs": [lp and lp[0] for lp in lps],
+                "top_logprobs": [lp and {tok.token_to_piece(i): v for i, v in lp[1]} for lp in lps]}
+
+    def chat_pieces(self, ids, lps):
+        """A chat's logprobs object: each token with its bytes and alternatives."""
+        tok = self.eng.tokenizer
+
+        def one(i, v):
+            piece = tok.token_to_piece(i)
+            return {"token": piece, "logprob": v, "bytes": list(piece.encode())}
+        return {"content": [{**one(i, lp[0]), "top_logprobs": [one(j, v) for j, v in lp[1]]}
+                            for i, lp in zip(ids, lps)]}
+
+
+class Request:
+    """One POST's generation: its reply whole, or as server-sent event payloads."""
+
+    def __init__(self, api, chat, stream, logprobs, echo_ids):
+        self.api, self.chat, self.stream, self.logprobs, self.echo_ids = api, chat, stream, logprobs, echo_ids
+        self.kind = "chat.completion" if chat else "text_completion"
+
+    def close(self):
+        if self.stream is not None:
+            self.stream.close()  # frees or parks the sequence, whether it finished or not
+
+    def _echo(self):
+        """A completion's prompt as its text and its tokens' (logprob, alternatives) (the first has none): scored."""
+        ids, api = self.echo_ids, self.api
+        if self.logprobs is None:
+            return api.eng.tokenizer.decode(ids), ids, None
+        logits = api.eng.score(ids)
+        return api.eng.tokenizer.decode(ids), ids, [None] + [log_probs(logits[i - 1], ids[i], self.logprobs)
+                                                            for i in range(1, len(ids))]
+
+    def reply(self, created, rid):
         """The whole reply, once the generation ends."""
-        for _ in stream:
-            pass
-        r = stream.result
-        choice = ({"message": {"role": "assistant", "content": r.text}} if kind == "chat.completion"
-                  else {"text": r.text, "logprobs": None})
-        return {"id": rid, "object": kind, "created": created, "model": self.name,
-                "choices": [{"index": 0, **choice, "finish_reason": FINISH[r.finish_reason]}],
-                "usage": _usage(r)}
+        text, ids, lps, reason, usage = "", [], [], "length", None
+        if self.echo_ids is not None:
+            text, ids, lps = self._echo()
+            usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+        if self.stream is not None:
+            for _ in self.stream:
+                pass
+            r = self.stream.result
+            text, ids, lps = text + r.text, ids + r.token_ids, (lps or []) + (r.logprobs or [])
+            reason, usage = r.finish_reason, _usage(r)
+        if self.chat:
+            choice = {"message": {"role": "assistant", "content": text},
+                      "logprobs": None if self.logprobs is None else self.api.chat_pieces(ids, lps)}
+        else:
+            choice = {"text": text, "logprobs": None if self.logprobs is None else self.api.pieces(ids, lps)}
+        return {"id": rid, "object": self.kind, "created": created, "model": self.api.name,
+                "choices": [{"index": 0, **choice, "finish_reason": FINISH[reason]}], "usage": usage}
 
-    def chunks(self, kind, stream, created, rid):
-        """The reply as server-sent event payloads, the last carrying the finish reason and the usage."""
-        chat = kind == "chat.completion"
-        base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                "model": self.name}
-        first = True
-        for ev in stream:
-            if ev.text or first:
-                yield {**base, "choices": [{"index": 0, **_piece(chat, ev.text, first), "finish_reason": None}]}
-                first = False
-        r = stream.result
-        yield {**base, "choices": [{"index": 0, **_piece(chat, "", first), "finish_reason": FINISH[r.finish_reason]}],
-               "usage": _usage(r)}
+    def chunks(self, created, rid):
+        """The reply as server-sent event payloads (a completion's echoed prompt first), the last carrying the
+        finish reason and the usage."""
+        base = {"id": rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": created, "model": self.api.name}
+        first, reason, usage = True, "length", None
+
+        def chunk(text, ids, lps, finish=None):
+            nonlocal first
+            if self.chat:
+                part = {"delta": {"role": "assistant", "content": text} if first else {"content": text}}
+                if self.logprobs is not None:
+                    part["logprobs"] = self.api.chat_pieces(ids, lps)
+            else:
+                part = {"text": text, "logprobs": None if self.logprobs is None else self.api.pieces(ids, lps)}
+            first = False
+            return {**base, "choices": [{"index": 0, **part, "finish_reason": finish}]}
+        if self.echo_ids is not None:
+            text, ids, lps = self._echo()
+            usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+            yield chunk(text, ids, lps or [None] * len(ids))
+        if self.stream is not None:
+            for ev in self.stream:
+                if ev.text or first or ev.logprob:
+                    yield chunk(ev.text, [ev.token_id], [ev.logprob])
+            reason, usage = self.stream.result.finish_reason, _usage(self.stream.result)
+        yield {**chunk("", [], [], FINISH[reason]), "usage": usage}
 
 
-def _piece(chat, text, first):
-    """A chunk's text: a chat's delta (its role in the first), or a completion's text."""
-    if not chat:
-        return {"text": text, "logprobs": None}
-    return {"delta": {"role": "assistant", "content": text} if first else {"content": text}}
 
 
 def _usage(r):
@@ -171,26 +253,26 @@ class Handler(BaseHTTPRequestHandler):
             self._error(400, f"the request body is not JSON: {e}")
             return
         try:
-            kind, stream = self.api.start(path, body)
+            req = self.api.start(path, body)
         except BadRequest as e:
             self._error(400, str(e), e.param)
             return
         except JitllmError as e:  # the engine's own checks (an option's value, the context limit)
             self._error(400, str(e))
             return
-        created, rid = int(time.time()), f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
+        created, rid = int(time.time()), f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
             if body.get("stream"):
-                self._stream(self.api.chunks(kind, stream, created, rid))
+                self._stream(req.chunks(created, rid))
             else:
-                self._send(200, self.api.reply(kind, stream, created, rid))
+                self._send(200, req.reply(created, rid))
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client left: its generation ends below
         except JitllmError as e:  # e.g. the engine closed mid-reply
             if not body.get("stream"):
                 self._error(500, str(e), kind="server_error")
         finally:
-            stream.close()  # frees the sequence's KV pages, whether it finished or not
+            req.close()
 
     def _stream(self, chunks):
         self.send_response(200)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 
+import numpy as np
 import pytest
 
 import jitllm_core as jl
@@ -92,7 +93,10 @@ def test_streamed_completions_side_by_side(served):
     ({"prompt": "Hi", "temperature": -1}, "temperature must be a finite number >= 0"),
     ({"prompt": "Hi", "max_tokens": -3}, "max_tokens must be a whole number >= 0"),
     ({"prompt": "Hi", "n": 2}, "n must be 1"),
-    ({"prompt": "Hi", "logprobs": 5}, "logprobs is not supported"),
+    ({"prompt": "Hi", "tools": [{"type": "function"}]}, "tools is not supported"),
+    ({"prompt": "Hi", "logprobs": 50}, "at most 20 log probabilities per token"),
+    ({"prompt": "Hi", "logprobs": -1}, "logprobs must be a whole number >= 0"),
+    ({"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 2}, "top_logprobs needs logprobs: true"),
     ({"prompt": {"text": "Hi"}}, "prompt must be a string or a list of token ids"),
     ({"prompt": ""}, "the prompt is empty"),
     ({"prompt": "Hi", "stop": [""]}, "stop is a non-empty string or a list of them"),
@@ -106,6 +110,58 @@ def test_bad_requests_are_refused_naming_the_field(served, body, words):
     status, reply = request(port, "POST", path, body)
     assert status == 400 and words in reply["error"]["message"], reply
     assert request(port, "POST", "/v1/completions", raw="{not json")[0] == 400
+
+
+def log_softmax(row):
+    z = row.astype(np.float64)
+    return z - z.max() - np.log(np.exp(z - z.max()).sum())
+
+
+def test_completion_logprobs_are_the_models(served):
+    """Each token's log probability (and its likeliest alternatives) against the engine's own scores of the
+    prompt and reply, an independent path (a prefill of every position)."""
+    eng, port = served
+    status, got = request(port, "POST", "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 8,
+                                                           "temperature": 0, "ignore_eos": True, "logprobs": 3})
+    assert status == 200
+    lp, prompt = got["choices"][0]["logprobs"], eng.tokenizer.encode("The capital of France is")
+    out = eng.generate(prompt, max_tokens=8, ignore_eos=True).token_ids
+    rows = eng.score(prompt + out)[len(prompt) - 1:-1]
+    assert lp["tokens"] == [eng.tokenizer.token_to_piece(t) for t in out]
+    for row, tok, value, top in zip(rows, out, lp["token_logprobs"], lp["top_logprobs"]):
+        want = log_softmax(row)
+        assert abs(value - want[tok]) < 1e-3 and len(top) == 3
+        assert abs(max(top.values()) - want.max()) < 1e-3 and top[eng.tokenizer.token_to_piece(tok)] == value  # greedy
+
+
+def test_echo_scores_the_prompt(served):
+    """lm-evaluation-harness's log-likelihood request: the prompt echoed with its tokens' log probabilities, no
+    token generated."""
+    eng, port = served
+    text = "Paris is the capital of France."
+    status, got = request(port, "POST", "/v1/completions", {"prompt": text, "max_tokens": 0, "echo": True,
+                                                           "logprobs": 1})
+    ids = eng.tokenizer.encode(text)
+    want = [log_softmax(row)[t] for row, t in zip(eng.score(ids)[:-1], ids[1:])]
+    choice = got["choices"][0]
+    assert status == 200 and choice["text"] == eng.tokenizer.decode(ids)
+    assert choice["logprobs"]["token_logprobs"][0] is None
+    assert np.allclose(choice["logprobs"]["token_logprobs"][1:], want, atol=1e-4)
+    assert got["usage"]["prompt_tokens"] == len(ids) and got["usage"]["completion_tokens"] == 0
+
+
+def test_chat_logprobs_streamed_and_whole(served):
+    eng, port = served
+    body = {"messages": CHAT, "max_tokens": 12, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    status, whole = request(port, "POST", "/v1/chat/completions", body)
+    content = whole["choices"][0]["logprobs"]["content"]
+    assert status == 200 and len(content) == whole["usage"]["completion_tokens"]
+    assert "".join(c["token"] for c in content) .startswith(whole["choices"][0]["message"]["content"])
+    assert all(len(c["top_logprobs"]) == 2 and bytes(c["bytes"]).decode() == c["token"] for c in content)
+    status, chunks = request(port, "POST", "/v1/chat/completions", {**body, "stream": True})
+    streamed = [c for ch in chunks for c in (ch["choices"][0].get("logprobs") or {}).get("content", [])]
+    assert [c["logprob"] for c in streamed] == [c["logprob"] for c in content[:len(streamed)]]
+    assert len(streamed) >= len(content) - 1  # a stop string's last token sends no text
 
 
 def test_a_client_that_leaves_ends_its_generation(served):
