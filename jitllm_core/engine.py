@@ -456,7 +456,8 @@ class Engine:
             key = (seq.id, len(seq.pages[u]), st.kv["ptab"])
             if st.ptab_for != key:
                 # a freed page's entry is never read (the window starts after it)
-                self.devices[st.device].upload(st.kv["ptab"], np.asarray([0 if p is None else p for p in seq.pages[u]], np.int32))
+                table = np.asarray([0 if p is None else p for p in seq.pages[u]], np.int32)
+                self.devices[st.device].upload(st.kv["ptab"], table)
                 st.ptab_for = key
 
     def _step(self, seq, tokens, t0):
@@ -533,7 +534,7 @@ class Engine:
         return render_chat(tok.chat_template, messages, add_generation_prompt=add_generation_prompt,
                            bos_token=tok.bos_token or "", eos_token=tok.eos_token or "")
 
-    def _encode(self, prompt):
+    def encode(self, prompt):
         """A prompt's token ids: a string encoded, or a sequence of whole numbers as it is."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
@@ -559,7 +560,7 @@ class Engine:
         stops = [stop] if isinstance(stop, str) else [] if stop is None else stop
         if not isinstance(stops, (list, tuple)) or not all(isinstance(x, str) and x for x in stops):
             raise JitllmError(f"stop is a non-empty string or a list of them, not {_brief(stop)}")
-        ids = self._encode(prompt)
+        ids = self.encode(prompt)
         if not ids:
             raise JitllmError("the prompt is empty")
         if len(ids) >= self.max_context:
@@ -597,8 +598,9 @@ class Engine:
                     reason = "eos"
                     break
                 out.append(tok)
-                lp = None if logprobs is None else log_probs(logits[-1], tok, logprobs)
-                if lp is not None:
+                lp = None
+                if logprobs is not None:
+                    lp = log_probs(logits[-1], tok, logprobs)
                     result.logprobs.append(lp)
                 text += dec.push(tok)
                 hit = min((text.find(s) for s in stops if s in text), default=-1)
@@ -670,7 +672,7 @@ class Session:
         self.eng, self.seq = eng, eng.new_sequence()
 
     def feed(self, token_ids):
-        ids = self.eng._encode(token_ids)
+        ids = self.eng.encode(token_ids)
         if not ids:
             raise JitllmError("feed needs at least one token")
         out = []

@@ -126,11 +126,15 @@ class ModelFile(_Tensors):
         factor as written. Llama 3's scaling is instead baked into a rope_freqs.weight tensor."""
         g, key = self.gguf, lambda k: f"{arch}.rope.scaling.{k}"
         orig = g.get(key("original_context_length"), None)
-        if "rope_factors_long.weight" in g.tensors:
-            return {"rope_type": "longrope", "original_max_position_embeddings": orig,
-                    "attention_factor": g.get(key("attn_factor"), 1.0),
-                    **{f"{kind}_factor": _as_f32(g.raw(n), g.tensors[n].type_name, f"{self.path}: tensor {n!r}").tolist()
-                       for kind in ("short", "long") for n in [f"rope_factors_{kind}.weight"]}}
+        names = {f"{kind}_factor": f"rope_factors_{kind}.weight" for kind in ("short", "long")}
+        if any(n in g.tensors for n in names.values()):
+            out = {"rope_type": "longrope", "original_max_position_embeddings": orig,
+                   "attention_factor": g.get(key("attn_factor"), 1.0)}
+            for name, n in names.items():
+                if n not in g.tensors:
+                    raise ModelFileError(self.path, f"missing tensor {n!r} (LongRoPE's factors come in pairs)")
+                out[name] = _as_f32(g.raw(n), g.tensors[n].type_name, f"{self.path}: tensor {n!r}").tolist()
+            return out
         factor = g.get(key("factor"), None) or g.get(f"{arch}.rope.scale_linear", None)
         kind = g.get(key("type"), "linear" if factor else None)
         if kind != "yarn":
@@ -141,8 +145,9 @@ class ModelFile(_Tensors):
         out = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": orig,
                "beta_fast": g.get(key("yarn_beta_fast"), None), "beta_slow": g.get(key("yarn_beta_slow"), None)}
         attn = g.get(key("attn_factor"), None)
-        if attn is not None and factor:
-            out["attention_factor"] = archs.rope_scaling(self.path, key("type"), out, context)["attention_factor"] * attn
+        if attn is not None and factor:  # a multiplier of YaRN's own factor
+            own = archs.rope_scaling(self.path, key("type"), out, context)["attention_factor"]
+            out["attention_factor"] = own * attn
         return out
 
     def tensor_names(self):

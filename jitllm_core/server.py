@@ -4,7 +4,8 @@ POST /v1/chat/completions and /v1/completions (whole replies, or server-sent eve
 log probabilities, and a completion's prompt echoed with its own: what evaluation harnesses ask), GET /v1/models
 and /health. Each request runs in its own thread; the engine interleaves their steps (its lock is taken
 per step), so replies stream side by side. A request's options are checked before any token (400, naming the
-option); a client that goes away mid-stream ends its generation, which frees its KV pages.
+option); a client that goes away mid-stream ends its generation (its sequence parked for the prompt cache, as
+any finished one).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ class BadRequest(JitllmError):
         self.param = param
 
 
-def _options(body, eng):
+def _options(body, eng, chat):
     """The engine's generate options from a request body (OpenAI's names and defaults; top_k and ignore_eos as
     llama.cpp's server takes them)."""
     for name in UNSUPPORTED:
@@ -42,31 +43,27 @@ def _options(body, eng):
         raise BadRequest("n must be 1 (one choice per request)", "n")
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     # each value checked by generate, which names it: the reply to a bad one is a 400 before any token
-    return {"max_tokens": eng.max_context if limit is None else limit, "logprobs": _logprobs(body),
+    return {"max_tokens": eng.max_context if limit is None else limit, "logprobs": _logprobs(body, chat),
             "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
             "top_k": body.get("top_k", 0), "seed": body.get("seed"), "stop": body.get("stop"),
             "ignore_eos": bool(body.get("ignore_eos", False))}
 
 
-def _logprobs(body):
+def _logprobs(body, chat):
     """Alternatives per token the request asks for, None for no log probabilities: a completion's logprobs: N, a
     chat's logprobs: true with top_logprobs: N."""
-    chat = "messages" in body
-    want = body.get("logprobs")
-    if chat:
-        n = body.get("top_logprobs", 0) if want else None
-        if not want and body.get("top_logprobs"):
-            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
-    else:
-        n = None if want is None or want is False else want
-    if n is not None:
-        try:
-            check_whole("top_logprobs" if chat else "logprobs", n, 0)
-        except JitllmError as e:
-            raise BadRequest(str(e), "top_logprobs" if chat else "logprobs") from None
-        if n > MAX_LOGPROBS:
-            raise BadRequest(f"at most {MAX_LOGPROBS} log probabilities per token", "top_logprobs" if chat else
-                             "logprobs")
+    field = "top_logprobs" if chat else "logprobs"
+    if chat and body.get("top_logprobs") and not body.get("logprobs"):
+        raise BadRequest("top_logprobs needs logprobs: true", field)
+    n = (body.get("top_logprobs", 0) if body.get("logprobs") else None) if chat else body.get("logprobs")
+    if n is None or n is False:
+        return None
+    try:
+        check_whole(field, n, 0)
+    except JitllmError as e:
+        raise BadRequest(str(e), field) from None
+    if n > MAX_LOGPROBS:
+        raise BadRequest(f"at most {MAX_LOGPROBS} log probabilities per token", field)
     return n
 
 
@@ -104,8 +101,8 @@ class Api:
         """A Request for a POST, every option checked."""
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
-        options = _options(body, self.eng)
         chat = path == "/v1/chat/completions"
+        options = _options(body, self.eng, chat)
         if chat:
             prompt = self.eng.apply_chat_template(_messages(body))
         else:
@@ -115,7 +112,10 @@ class Api:
             if not (isinstance(prompt, str) or isinstance(prompt, list)):
                 raise BadRequest("prompt must be a string or a list of token ids", "prompt")
         echo = bool(body.get("echo")) and not chat
-        ids = self.eng._encode(prompt) if echo else None
+        ids = self.eng.encode(prompt) if echo else None
+        if echo and not 0 < len(ids) <= self.eng.max_context:  # scored whole: as a prompt, within the context
+            raise BadRequest(f"the prompt has {len(ids)} tokens; echo scores 1 to max_context "
+                             f"({self.eng.max_context})", "prompt")
         stream = self.eng.generate(prompt, stream=True, **options) if not echo or options["max_tokens"] else None
         return Request(self, chat, stream, options["logprobs"], ids)
 

@@ -99,6 +99,7 @@ def test_streamed_completions_side_by_side(served):
     ({"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 2}, "top_logprobs needs logprobs: true"),
     ({"prompt": {"text": "Hi"}}, "prompt must be a string or a list of token ids"),
     ({"prompt": ""}, "the prompt is empty"),
+    ({"prompt": "", "echo": True, "max_tokens": 0}, "the prompt has 0 tokens; echo scores 1 to max_context"),
     ({"prompt": "Hi", "stop": [""]}, "stop is a non-empty string or a list of them"),
     ({"messages": []}, "messages must be a non-empty list"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts are supported"),
