@@ -12,11 +12,13 @@ import numpy as np
 from .errors import ModelFileError
 
 
-GGUF_ARCHS = ("llama", "smollm3", "granite", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+GGUF_ARCHS = ("llama", "smollm3", "granite", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2")
 # GGUF architectures whose query and key rows rotate halves (`_rope_pairs`)
-HALVES_ARCHS = ("qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+HALVES_ARCHS = ("qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2")
 HF_TYPES = ("llama", "smollm3", "granite", "qwen2", "qwen3", "mistral", "phi3", "gemma2",  # config.json model_type
-            "gemma3_text")
+            "gemma3_text", "olmo2", "olmo3")
+# OLMo 3's layers that see every key, one in this many, where a GGUF file (llama.cpp's olmo2) has a window
+OLMO3_FULL_EVERY = 4
 # SmolLM3's layers without rope, one in this many (the last of each run), where a file does not list them
 NOPE_EVERY = 4
 # Gemma's layers that see every key, one in this many (the last of each run), where a file does not list them
@@ -43,7 +45,8 @@ class Config:
     rope_base: float
     context: int
     bias: bool = False     # q, k, v biases (Qwen2)
-    qk_norm: bool = False  # each head's query and key RMS-normed before the rope (Qwen3)
+    qk_norm: str = ""      # query and key RMS-normed before the rope: "head" each head (Qwen3), "whole" (OLMo 2)
+    pre_norm: bool = True  # attention and MLP inputs RMS-normed (OLMo 2 norms their outputs only, `sandwich`)
     rope_scaling: dict = field(default_factory=dict)
     rope_dim: int = 0      # the first dimensions of each head the rope turns (0: all of them; Phi-4-mini's 3 in 4)
     sliding_window: int = 0                       # keys a token sees, itself included (0: every earlier one)
@@ -256,12 +259,18 @@ def gemma(cfg, kind, attn_softcap, final_softcap, query_scalar=None, local_rope_
     """Gemma 2 / 3's features on a Config: scaled embeddings, GELU, sandwich norms, Gemma 3's per-head norms and
     local rope base, Gemma 2's caps (0: none)."""
     cfg.embed_scale = float(np.float32(math.sqrt(cfg.dim)))
-    cfg.act, cfg.sandwich, cfg.qk_norm = "gelu_tanh", True, kind.startswith("gemma3")
+    cfg.act, cfg.sandwich, cfg.qk_norm = "gelu_tanh", True, "head" if kind.startswith("gemma3") else ""
     cfg.attn_softcap, cfg.final_softcap = attn_softcap, final_softcap
     if query_scalar and query_scalar != cfg.head_dim:
         cfg.attn_scale = query_scalar ** -0.5
     if cfg.qk_norm:
         cfg.local_rope_base = local_rope_base or GEMMA_LOCAL_ROPE_BASE
+
+
+def olmo(cfg):
+    """OLMo 2 / 3's features on a Config: no norm before attention or the MLP, their outputs normed instead; the
+    whole query and key normed."""
+    cfg.pre_norm, cfg.sandwich, cfg.qk_norm = False, True, "whole"
 
 
 def granite(cfg, embed, residual, attention, logits):
@@ -274,10 +283,17 @@ def every_kth(n_layer, k):
     return frozenset(i for i in range(n_layer) if (i + 1) % k == 0)
 
 
-def gguf_features(cfg, arch, get):
+def gguf_features(cfg, arch, get, where):
     """What a GGUF file's architecture adds to the Llama block, on its Config; get(key, kind, default): the
     architecture's key, checked."""
-    cfg.bias, cfg.qk_norm = arch == "qwen2", arch == "qwen3"
+    cfg.bias, cfg.qk_norm = arch == "qwen2", "head" if arch == "qwen3" else ""
+    if arch == "olmo2":  # OLMo 3's files too: a window where the file says, on three layers in four
+        olmo(cfg)
+        cfg.sliding_window = get("attention.sliding_window", int, 0)
+        cfg.full_layers = every_kth(cfg.n_layer, OLMO3_FULL_EVERY) if cfg.sliding_window else frozenset()
+        if cfg.sliding_window and cfg.rope_scaling:  # llama.cpp's reading of which layers it scales: not known here
+            raise ModelFileError(where, "olmo2: a scaled rope with sliding windows (OLMo 3's long context) is "
+                                            "not supported in GGUF files")
     if arch.startswith("gemma"):
         # llama.cpp scales the scores of its 27B Gemmas by the embedding per head, not the head size
         big = (arch, cfg.n_layer) in (("gemma2", 46), ("gemma3", 62))
@@ -296,9 +312,13 @@ def hf_features(cfg, c, get, where):
     """What a config.json's model_type adds to the Llama block, on its Config; get(key, kind, default): c[key],
     checked."""
     kind = c["model_type"]
-    cfg.bias, cfg.qk_norm = kind == "qwen2", kind == "qwen3"
+    cfg.bias, cfg.qk_norm = kind == "qwen2", "head" if kind == "qwen3" else ""
     cfg.rope_dim = hf_rope_dim(where, c, cfg.head_dim)
     cfg.sliding_window, cfg.full_layers = sliding_window(where, c, cfg.n_layer)
+    if kind.startswith("olmo"):
+        olmo(cfg)
+        if cfg.sliding_window and cfg.rope_scaling:  # OLMo 3: its full layers' rope scaled, its windowed ones' not
+            cfg.local_rope_base = hf_local_rope_base(where, c) or cfg.rope_base
     if kind == "smollm3":
         cfg.nope_layers = nope_layers(where, c, cfg.n_layer)
     if kind == "granite":

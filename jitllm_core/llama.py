@@ -144,16 +144,20 @@ class Llama:
         if unit == "head":
             return {"output_norm.weight": ((c.dim,), True), self.head_tensor: ((c.vocab, c.dim), False)}
         p, q, kv = f"blk.{unit}.", c.n_head * c.head_dim, c.n_kv * c.head_dim
-        w = {p + "attn_norm.weight": ((c.dim,), True), p + "attn_q.weight": ((q, c.dim), False),
+        w = {p + "attn_q.weight": ((q, c.dim), False),
              p + "attn_k.weight": ((kv, c.dim), False), p + "attn_v.weight": ((kv, c.dim), False),
-             p + "attn_output.weight": ((c.dim, q), False), p + "ffn_norm.weight": ((c.dim,), True),
+             p + "attn_output.weight": ((c.dim, q), False),
              p + "ffn_gate.weight": ((c.ffn, c.dim), False), p + "ffn_up.weight": ((c.ffn, c.dim), False),
              p + "ffn_down.weight": ((c.dim, c.ffn), False)}
+        if c.pre_norm:
+            w.update({p + n: ((c.dim,), True) for n in ("attn_norm.weight", "ffn_norm.weight")})
         if c.bias:
             w.update({p + "attn_q.bias": ((q,), True), p + "attn_k.bias": ((kv,), True),
                       p + "attn_v.bias": ((kv,), True)})
         if c.qk_norm:
-            w.update({p + n: ((c.head_dim,), True) for n in ("attn_q_norm.weight", "attn_k_norm.weight")})
+            whole = c.qk_norm == "whole"
+            w.update({p + "attn_q_norm.weight": ((q if whole else c.head_dim,), True),
+                      p + "attn_k_norm.weight": ((kv if whole else c.head_dim,), True)})
         if c.sandwich:
             w.update({p + n: ((c.dim,), True) for n in ("post_attention_norm.weight", "post_ffw_norm.weight")})
         return w
@@ -274,8 +278,9 @@ class Llama:
         # values, every token's, go to the cache), as llama.cpp's graph keeps only the output rows there
         only_wanted = {} if unit == c.n_layer - 1 else EVERY_TOKEN
         mm_wanted = functools.partial(mm, scalars=only_wanted)
-        norm_heads = lambda x, heads, w, scalars: LaunchTemplate(
-            ops.head_rmsnorm(heads, c.head_dim, T, c.eps), {"q": f"a:{x}", "w": f"w:{p}{w}.weight"}, scalars)
+        norm_heads = lambda x, heads, w, scalars: LaunchTemplate(  # the whole vector: one head of them all
+            ops.head_rmsnorm(*((1, heads * c.head_dim) if c.qk_norm == "whole" else (heads, c.head_dim)), T, c.eps),
+            {"q": f"a:{x}", "w": f"w:{p}{w}.weight"}, scalars)
         qk_norms = [norm_heads("q", c.n_head, "attn_q_norm", only_wanted),
                     norm_heads("k", c.n_kv, "attn_k_norm", EVERY_TOKEN)] if c.qk_norm else []
         window = c.window(unit)
@@ -294,12 +299,17 @@ class Llama:
                     LaunchTemplate(norm, {"x": "a:y", "w": f"w:{p}{post}.weight", "out": "a:xn"}, only_wanted),
                     LaunchTemplate(ops.add(c.dim, T), {"y": "a:xn", "x": "a:x"}, only_wanted)]
         act = ops.gelu_mul if c.act == "gelu_tanh" else ops.silu_mul
+        src = "xn" if c.pre_norm else "x"  # the blocks' input: x normed, or x itself (OLMo 2)
+
+        def pre_norm(name, scalars):
+            return [LaunchTemplate(norm, {"x": "a:x", "w": f"w:{p}{name}.weight", "out": "a:xn"}, scalars)
+                    ] if c.pre_norm else []
         return [
-            LaunchTemplate(norm, {"x": "a:x", "w": f"w:{p}attn_norm.weight", "out": "a:xn"}, EVERY_TOKEN),
-            *inputs("xn", c.dim, "attn_q", "attn_k", "attn_v"),
-            *mm_wanted(p + "attn_q.weight", "xn", "q", q, c.dim, bias=b("attn_q")),
-            *mm(p + "attn_k.weight", "xn", "k", kv, c.dim, bias=b("attn_k")),
-            *mm(p + "attn_v.weight", "xn", "v", kv, c.dim, bias=b("attn_v")),
+            *pre_norm("attn_norm", EVERY_TOKEN),
+            *inputs(src, c.dim, "attn_q", "attn_k", "attn_v"),
+            *mm_wanted(p + "attn_q.weight", src, "q", q, c.dim, bias=b("attn_q")),
+            *mm(p + "attn_k.weight", src, "k", kv, c.dim, bias=b("attn_k")),
+            *mm(p + "attn_v.weight", src, "v", kv, c.dim, bias=b("attn_v")),
             *qk_norms,
             *([] if unit in c.nope_layers else [  # SmolLM3's layers without rope
                 LaunchTemplate(ops.rope(heads, c.head_dim, T, self.positions), {"q": f"a:{x}", "rot": rot}, scalars)
@@ -310,10 +320,10 @@ class Llama:
                            {"q": "a:q", "s": "a:scores", "out": "a:att", **kvb}, only_wanted),
             *inputs("att", q, "attn_output"),
             *joined("attn_output", "att", c.dim, q),
-            LaunchTemplate(norm, {"x": "a:x", "w": f"w:{p}ffn_norm.weight", "out": "a:xn"}, only_wanted),
-            *inputs("xn", c.dim, "ffn_gate", "ffn_up"),
-            *mm_wanted(p + "ffn_gate.weight", "xn", "g", c.ffn, c.dim),
-            *mm_wanted(p + "ffn_up.weight", "xn", "u", c.ffn, c.dim),
+            *pre_norm("ffn_norm", only_wanted),
+            *inputs(src, c.dim, "ffn_gate", "ffn_up"),
+            *mm_wanted(p + "ffn_gate.weight", src, "g", c.ffn, c.dim),
+            *mm_wanted(p + "ffn_up.weight", src, "u", c.ffn, c.dim),
             LaunchTemplate(act(c.ffn, T), {"g": "a:g", "u": "a:u", "h": "a:h"}, only_wanted),
             *inputs("h", c.ffn, "ffn_down"),
             *joined("ffn_down", "h", c.dim, c.ffn),

@@ -94,7 +94,7 @@ class ModelFile(_Tensors):
             ffn=f"{arch}.feed_forward_length", vocab="the rows of token_embd.weight",
             eps=f"{arch}.attention.layer_norm_rms_epsilon", rope_base=f"{arch}.rope.freq_base",
             context=f"{arch}.context_length", rope_dim=f"{arch}.rope.dimension_count"))
-        archs.gguf_features(self.config, arch, p)
+        archs.gguf_features(self.config, arch, p, self.path)
         self.tensors = {n: Tensor(n, t.shape, t.type_name, (lambda n=n: g.raw(n))) for n, t in g.tensors.items()}
         self._split_fused(arch == "phi3")
         _refuse_unused(self.path, set(self.tensors) - self.tensor_names())
@@ -189,14 +189,14 @@ class ModelFile(_Tensors):
     def _rope_pairs(self):
         """The rope kernel rotates each head's adjacent pairs, as llama GGUF files store the query and key rows; HF
         models rotate the two halves of a head, and llama.cpp's converter keeps that order for Qwen, Phi-3 and Gemma
-        files (`architectures.HALVES_ARCHS`: its rope there is "neox"). Such rows -- with their biases and per-head
-        norms -- are reordered to pairs as they load: the rows the rope turns (Phi-4-mini's halves are of the first
-        3 in 4), the rest left where they are."""
+        files (`architectures.HALVES_ARCHS`: its rope there is "neox"). Such rows -- with their biases and norms (a
+        head's, or OLMo 2's of every head) -- are reordered to pairs as they load: the rows the rope turns
+        (Phi-4-mini's halves are of the first 3 in 4), the rest left where they are."""
         cfg = self.config
         for i in range(cfg.n_layer):
             for g, heads in (("attn_q", cfg.n_head), ("attn_k", cfg.n_kv)):
                 for name, h in ((f"blk.{i}.{g}.weight", heads), (f"blk.{i}.{g}.bias", heads),
-                                (f"blk.{i}.{g}_norm.weight", 1)):
+                                (f"blk.{i}.{g}_norm.weight", heads if cfg.qk_norm == "whole" else 1)):
                     t = self.tensors.get(name)
                     if t is not None:
                         self.tensors[name] = Tensor(name, t.shape, t.type_name,
@@ -208,7 +208,8 @@ class ModelFile(_Tensors):
                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                 "ffn_down": "mlp.down_proj"}
     HF_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-    # Gemma's: its post_attention_layernorm norms the attention's output (a llama's is the MLP's input norm)
+    # Gemma's and OLMo 2's: post_attention_layernorm norms the attention's output (a llama's is the MLP's input
+    # norm); OLMo 2 has no pre_feedforward_layernorm (nor input_layernorm)
     HF_SANDWICH = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                    "post_ffw_norm": "post_feedforward_layernorm"}
     HF_FUSED = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}  # Phi-3's (`_split_fused`)
@@ -264,7 +265,8 @@ class ModelFile(_Tensors):
         add("output.weight", "lm_head.weight")
         for i in range(cfg.n_layer):
             names = {**self.HF_NAMES, **(self.HF_QK_NORMS if cfg.qk_norm else {}),
-                     **(self.HF_SANDWICH if gemma else {}), **(self.HF_FUSED if c["model_type"] == "phi3" else {})}
+                     **(self.HF_SANDWICH if cfg.sandwich else {}),
+                     **(self.HF_FUSED if c["model_type"] == "phi3" else {})}
             for g, h in names.items():
                 add(f"blk.{i}.{g}.weight", f"model.layers.{i}.{h}.weight")
                 if cfg.bias and g in ("attn_q", "attn_k", "attn_v"):

@@ -52,6 +52,7 @@ def write(model, arch, path, tokenizer_gguf, matrix_type="Q8_0"):
     rope = c.rope_parameters.get("full_attention", c.rope_parameters)  # Gemma 3's: per layer type
     w.add_rope_freq_base(rope["rope_theta"])
     gemma = arch.startswith("gemma")
+    post_norms = gemma or arch == "olmo2"  # post_attention_layernorm norms the attention's output
     if gemma:
         w.add_sliding_window(c.sliding_window)
     if "sliding_attention" in c.rope_parameters:  # Gemma 3's local rope base, as newer converters write it
@@ -91,7 +92,7 @@ def write(model, arch, path, tokenizer_gguf, matrix_type="Q8_0"):
         if gemma and hf == "lm_head.weight":  # tied: the embedding
             continue
         a = t.detach().float().numpy()
-        name = _gguf_name(hf, GEMMA_NAMES if gemma else NAMES)
+        name = _gguf_name(hf, GEMMA_NAMES if post_norms else NAMES)
         if gemma and name.endswith("norm.weight"):
             a = a + 1
         if pairs and (".attn_q." in name or ".attn_k." in name):

@@ -55,12 +55,12 @@ def gguf_models(tmp_path_factory, default_model):
     # LongRoPE's long factors (the engine's 512 positions are past the original 64, and so are transformers' 80),
     # and its short ones (an engine of 64 positions, 40 of them)
     ("phi3", "phi3-longrope", None, 80), ("phi3", "phi3-longrope", 64, 40),
-    ("gemma3", "gemma3-swa-base", None, 40)])
+    ("gemma3", "gemma3-swa-base", None, 40), ("olmo2", "olmo2-f32", None, 40)])
 def test_gguf_transformers_cannot_read_matches_its_source(cpu, tmp_path, default_model, arch, variant, max_context,
                                                           n):
     """GGUF files transformers does not read (SmolLM3's last layer in 4 without rope, Granite's multipliers,
-    YaRN's and LongRoPE's keys and Phi-3's rope over part of each head, Gemma 3's local rope base): with F32
-    matrices, against the transformers model each was written from."""
+    YaRN's and LongRoPE's keys and Phi-3's rope over part of each head, Gemma 3's local rope base, OLMo 2): with
+    F32 matrices, against the transformers model each was written from."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(default_model),
                                                            gguf_file=os.path.basename(default_model))
     model = _build(tmp_path / variant, variant, tokenizer, {**VARIANTS, **GGUF_VARIANTS}[variant])

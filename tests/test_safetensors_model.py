@@ -68,6 +68,13 @@ VARIANTS = {  # name -> (config class name, dtype saved, rope parameters[, shape
     "mistral-window": ("MistralConfig", "float32", ROPE, {"sliding_window": 21}),
     "qwen2-window": ("Qwen2Config", "float32", ROPE, {"sliding_window": 21, "use_sliding_window": True,
                                                      "max_window_layers": 2}),
+    # no norm before attention or the MLP, their outputs normed; the whole query and key normed
+    "olmo2-f32": ("Olmo2Config", "float32", ROPE),
+    # OLMo 3: windows on three layers in four, the full layers' rope scaled (YaRN), the windowed ones' not
+    "olmo3-f32": ("Olmo3Config", "float32", {"full_attention": {**ROPE, "rope_type": "yarn", "factor": 4.0,
+                                                                "original_max_position_embeddings": 64},
+                                             "sliding_attention": {**ROPE, "rope_type": "default"}},
+                  {"sliding_window": 21}),
     # scaled rope: an original context of 64 positions scales most of the frequencies these prompts turn through
     "llama-rope-linear": ("LlamaConfig", "float32", {**ROPE, "rope_type": "linear", "factor": 4.0}),
     "llama-rope-llama3": ("LlamaConfig", "float32", {**ROPE, "rope_type": "llama3", "factor": 4.0,
