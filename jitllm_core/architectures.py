@@ -12,11 +12,17 @@ import numpy as np
 from .errors import ModelFileError
 
 
-GGUF_ARCHS = ("llama", "smollm3", "granite", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2")
+GGUF_ARCHS = ("llama", "smollm3", "granite", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2", "qwen3moe",
+              "olmoe")
 # GGUF architectures whose query and key rows rotate halves (`_rope_pairs`)
-HALVES_ARCHS = ("qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2")
+HALVES_ARCHS = ("qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2", "qwen3moe", "olmoe")
 HF_TYPES = ("llama", "smollm3", "granite", "qwen2", "qwen3", "mistral", "phi3", "gemma2",  # config.json model_type
-            "gemma3_text", "olmo2", "olmo3")
+            "gemma3_text", "olmo2", "olmo3", "mixtral", "qwen3_moe", "olmoe")
+# architectures with a mixture of experts -> whether the chosen experts' weights are divided by their sum, as
+# llama.cpp computes a GGUF file (Mixtral's are llama files with experts); config.json's norm_topk_prob says
+MOE_GGUF = {"llama": True, "qwen3moe": True, "olmoe": False}
+MOE_HF = ("mixtral", "qwen3_moe", "olmoe")
+MOE_COUNT = ("num_local_experts", "num_experts")  # config.json's key of the experts' count (either, by version)
 # OLMo 3's layers that see every key, one in this many, where a GGUF file (llama.cpp's olmo2) has a window
 OLMO3_FULL_EVERY = 4
 # SmolLM3's layers without rope, one in this many (the last of each run), where a file does not list them
@@ -49,6 +55,11 @@ class Config:
     pre_norm: bool = True  # attention and MLP inputs RMS-normed (OLMo 2 norms their outputs only, `sandwich`)
     rope_scaling: dict = field(default_factory=dict)
     rope_dim: int = 0      # the first dimensions of each head the rope turns (0: all of them; Phi-4-mini's 3 in 4)
+    # a mixture of experts in every layer's MLP (0: a dense one): that many, experts_used of them per token, each
+    # an MLP of ffn wide; their weights divided by the chosen ones' sum where experts_normalize (Mixtral, Qwen3-MoE)
+    experts: int = 0
+    experts_used: int = 0
+    experts_normalize: bool = True
     sliding_window: int = 0                       # keys a token sees, itself included (0: every earlier one)
     full_layers: frozenset = frozenset()          # layers that see every key despite a sliding window
     nope_layers: frozenset = frozenset()          # layers without rope (SmolLM3's one in 4)
@@ -273,6 +284,13 @@ def olmo(cfg):
     cfg.pre_norm, cfg.sandwich, cfg.qk_norm = False, True, "whole"
 
 
+def moe(cfg, experts, used, normalize, where, used_key):
+    """A mixture of experts on a Config: `used` of `experts` per token."""
+    if not 0 < used <= experts:
+        raise ModelFileError(where, f"{used_key} is {used}; 1 to the {experts} experts are needed")
+    cfg.experts, cfg.experts_used, cfg.experts_normalize = experts, used, normalize
+
+
 def granite(cfg, embed, residual, attention, logits):
     """Granite's multipliers on a Config (attention 0: the scores' usual 1 / sqrt(head_dim))."""
     cfg.embed_scale, cfg.residual_scale, cfg.attn_scale, cfg.logit_scale = embed, residual, attention, logits
@@ -286,7 +304,13 @@ def every_kth(n_layer, k):
 def gguf_features(cfg, arch, get, where):
     """What a GGUF file's architecture adds to the Llama block, on its Config; get(key, kind, default): the
     architecture's key, checked."""
-    cfg.bias, cfg.qk_norm = arch == "qwen2", "head" if arch == "qwen3" else ""
+    cfg.bias, cfg.qk_norm = arch == "qwen2", {"qwen3": "head", "qwen3moe": "head", "olmoe": "whole"}.get(arch, "")
+    experts = get("expert_count", int, 0)
+    if experts:
+        if arch not in MOE_GGUF:
+            raise ModelFileError(where, f"{arch}.expert_count: a mixture of experts is not supported in {arch} files")
+        cfg.ffn = get("expert_feed_forward_length", int, cfg.ffn)
+        moe(cfg, experts, get("expert_used_count", int), MOE_GGUF[arch], where, f"{arch}.expert_used_count")
     if arch == "olmo2":  # OLMo 3's files too: a window where the file says, on three layers in four
         olmo(cfg)
         cfg.sliding_window = get("attention.sliding_window", int, 0)
@@ -312,10 +336,21 @@ def hf_features(cfg, c, get, where):
     """What a config.json's model_type adds to the Llama block, on its Config; get(key, kind, default): c[key],
     checked."""
     kind = c["model_type"]
-    cfg.bias, cfg.qk_norm = kind == "qwen2", "head" if kind == "qwen3" else ""
+    cfg.bias, cfg.qk_norm = kind == "qwen2", {"qwen3": "head", "qwen3_moe": "head", "olmoe": "whole"}.get(kind, "")
+    if kind in MOE_HF:
+        if kind == "qwen3_moe":  # its experts' width; dense layers among sparse ones are not computed
+            cfg.ffn = get("moe_intermediate_size", int)
+            if get("decoder_sparse_step", int, 1) != 1 or c.get("mlp_only_layers"):
+                raise ModelFileError(where, "decoder_sparse_step / mlp_only_layers: dense MLP layers among the "
+                                            "experts' are not supported")
+        if c.get("clip_qkv"):
+            raise ModelFileError(where, f"clip_qkv is {c['clip_qkv']!r}; clipped q/k/v are not supported")
+        normalize = kind == "mixtral" or bool(c.get("norm_topk_prob", False))
+        count = next((key for key in MOE_COUNT if c.get(key) is not None), MOE_COUNT[0])
+        moe(cfg, get(count, int), get("num_experts_per_tok", int), normalize, where, "num_experts_per_tok")
     cfg.rope_dim = hf_rope_dim(where, c, cfg.head_dim)
     cfg.sliding_window, cfg.full_layers = sliding_window(where, c, cfg.n_layer)
-    if kind.startswith("olmo"):
+    if kind in ("olmo2", "olmo3"):
         olmo(cfg)
         if cfg.sliding_window and cfg.rope_scaling:  # OLMo 3: its full layers' rope scaled, its windowed ones' not
             cfg.local_rope_base = hf_local_rope_base(where, c) or cfg.rope_base

@@ -359,15 +359,16 @@ class Engine:
         self.stats["bytes_per_token"] = self._weight_bytes()
 
     def _weight_bytes(self):
-        """Weight bytes one decode step reads: every unit's tensors, but only one row of the embedding."""
-        return sum(self._unit_bytes(u) // (self.config.vocab if u == "embed" else 1) for u in self.model.units)
+        """Weight bytes one decode step reads: every unit's tensors, but only one row of the embedding (and a
+        mixture's share of its experts)."""
+        return sum(self._step_bytes(u) // (self.config.vocab if u == "embed" else 1) for u in self.model.units)
 
     def _interleaves(self, dev_name):
         return interleaves(self.devices[dev_name].caps.threads)
 
-    def _unit_bytes(self, unit):
-        """The unit's weight bytes in the layout of the device it is on."""
-        return self.model.unit_bytes(unit, self._interleaves(self.units[unit].device))
+    def _step_bytes(self, unit):
+        """The unit's weight bytes a decode step reads, in the layout of the device it is on (`Llama.step_bytes`)."""
+        return self.model.step_bytes(unit, self._interleaves(self.units[unit].device))
 
 
     # ------------------------------------------------------------------ sequences and steps
@@ -521,7 +522,7 @@ class Engine:
         s["tokens"] += n
         kv_row = 2 * self.model.page_bytes() // self.model.page  # K and V of one position
         for u, st in self.units.items():
-            b = self._unit_bytes(u)
+            b = self._step_bytes(u)
             if st.pool is not None:
                 window = self.config.window(u)
                 b += kv_row * (min(pos + n, window + n - 1) if window else pos + n)

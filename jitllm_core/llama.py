@@ -107,11 +107,13 @@ class Llama:
         c, T = self.cfg, self.T
         q, kv = c.n_head * c.head_dim, c.n_kv * c.head_dim
         inp = T * max(c.dim, q, c.ffn)  # the widest matmul input of a step
-        return {"tok": ("i32", T), "x": ("f32", T * c.dim), "xn": ("f32", T * c.dim), "q": ("f32", T * q),
+        moe = {"router": ("f32", T * c.experts), "sel": ("i32", T * c.experts_used),
+               "wt": ("f32", T * c.experts_used)} if c.experts else {}
+        return {**moe, "tok": ("i32", T), "x": ("f32", T * c.dim), "xn": ("f32", T * c.dim), "q": ("f32", T * q),
                 "k": ("f32", T * kv), "v": ("f32", T * kv), "att": ("f32", T * q), "g": ("f32", T * c.ffn),
                 "u": ("f32", T * c.ffn), "h": ("f32", T * c.ffn), "logits": ("f32", T * c.vocab),
                 # an output before it joins x, normed or scaled
-                **({"y": ("f32", T * c.dim)} if c.sandwich or c.residual_scale != 1.0 else {}),
+                **({"y": ("f32", T * c.dim)} if c.sandwich or c.residual_scale != 1.0 or c.experts else {}),
                 "scores": ("f32", T * c.n_head * self.n_pages * self.page),
                 # the prefill matmuls' scratch: blocks of a layer matrix, dequantized (a column chunk's are no wider)
                 "wdq": ("f32", max((ops.prefill_scratch(self.fmt(name, shape), *shape, T)
@@ -144,11 +146,14 @@ class Llama:
         if unit == "head":
             return {"output_norm.weight": ((c.dim,), True), self.head_tensor: ((c.vocab, c.dim), False)}
         p, q, kv = f"blk.{unit}.", c.n_head * c.head_dim, c.n_kv * c.head_dim
+        e = max(1, c.experts)  # a mixture's: the experts' matrices one after another
         w = {p + "attn_q.weight": ((q, c.dim), False),
              p + "attn_k.weight": ((kv, c.dim), False), p + "attn_v.weight": ((kv, c.dim), False),
              p + "attn_output.weight": ((c.dim, q), False),
-             p + "ffn_gate.weight": ((c.ffn, c.dim), False), p + "ffn_up.weight": ((c.ffn, c.dim), False),
-             p + "ffn_down.weight": ((c.dim, c.ffn), False)}
+             p + self.ffn("gate"): ((e * c.ffn, c.dim), False), p + self.ffn("up"): ((e * c.ffn, c.dim), False),
+             p + self.ffn("down"): ((e * c.dim, c.ffn), False)}
+        if c.experts:
+            w[p + "ffn_gate_inp.weight"] = ((c.experts, c.dim), False)  # the router
         if c.pre_norm:
             w.update({p + n: ((c.dim,), True) for n in ("attn_norm.weight", "ffn_norm.weight")})
         if c.bias:
@@ -189,6 +194,10 @@ class Llama:
             self._held.setdefault(name, {})[packed.name] = np.memmap(path, np.uint8, mode="r")
         return self._held[name][packed.name]
 
+    def ffn(self, part):
+        """A layer's MLP weight `part` (gate, up, down): a mixture of experts' all of them."""
+        return f"ffn_{part}_exps.weight" if self.cfg.experts else f"ffn_{part}.weight"
+
     def tensor_bytes(self, name, unit, interleave=True):
         """Bytes of a weight as a device holds it (norms and biases become f32)."""
         shape, as_f32 = self.weight_shapes(unit)[name]
@@ -199,6 +208,12 @@ class Llama:
         """A unit's weight bytes; the interleaved layouts' are the larger, so the default is what plans use."""
         return sum(self.tensor_bytes(t, unit, interleave) for t in self.weight_shapes(unit))
 
+    def step_bytes(self, unit, interleave=True):
+        """The weight bytes a decode step reads of a unit: a mixture's experts, the share its tokens use."""
+        c = self.cfg
+        share = lambda t: c.experts_used / c.experts if t.endswith("_exps.weight") else 1
+        return round(sum(self.tensor_bytes(t, unit, interleave) * share(t) for t in self.weight_shapes(unit)))
+
     def _file_format(self, name, shape):
         t = self.mf.tensor(name, shape)
         return get_format(t.type_name, shape[-1], f"{self.mf.path}: tensor {name!r}")
@@ -207,7 +222,8 @@ class Llama:
         """The layout kernels read the tensor in: its file format's packed form (interleave, see `interleaves`),
         else the file format."""
         fmt = self._file_format(name, shape)
-        return packed_format(fmt, shape[0]) if interleave else fmt
+        rows = shape[0] // self.cfg.experts if name.endswith("_exps.weight") else shape[0]  # an expert's groups
+        return packed_format(fmt, rows) if interleave else fmt
 
     def _prefill_matmul(self, fmt, rows, prefill, interleave):
         """Whether a matmul of `rows` rows of weights in layout fmt goes through the prefill matmul (weights
@@ -217,20 +233,27 @@ class Llama:
         return prefill and interleave and rows % ROWS == 0 and not (fmt.digits and self.digits == quant.INT8)
 
     def _mm(self, name, x, y, rows, cols, acc=False, bias=None, logits=False, prefill=False, interleave=True,
-            tile=ops.GEMM_TILE, scalars=EVERY_TOKEN):
+            tile=ops.GEMM_TILE, scalars=EVERY_TOKEN, slot=None):
         """Matmul launches, for every token (`scalars` EVERY_TOKEN) or from the step's `t0` ({}: where only the
         wanted tokens' outputs are, the LM head's and the last layer's queries and after its attention). Through the
         prefill matmul (`_prefill_matmul`, its register tile `tile`), the weights are dequantized to f32 once
-        and reused by every token of the step."""
-        fmt = self.fmt(name, (rows, cols), interleave)
+        and reused by every token of the step. slot: a mixture of experts' weights, each token's rows those of the
+        expert the router chose for it in that slot (the decode matmul, token by token)."""
+        c = self.cfg
+        fmt = self.fmt(name, (rows * (c.experts if slot is not None else 1), cols), interleave)
         bufs = {"y": f"a:{y}", **({"b": f"w:{bias}"} if bias else {})}
+        if slot is not None:
+            self.constants[f"slot{slot}"] = slot
+            return [LaunchTemplate(ops.matmul(fmt, rows, cols, self.T, acc, False, not interleave, self.digits,
+                                              experts=c.experts, used=c.experts_used),
+                                   {"w": f"w:{name}", "x": f"a:{x}", "sel": "a:sel", **bufs, **self._digits(fmt)},
+                                   {**scalars, "slot": f"slot{slot}"})]
         if not self._prefill_matmul(fmt, rows, prefill, interleave):
-            digits = {"xq": "a:xq", "xd": "a:xd", "xs": "a:xs"} if fmt.digits else {}
             # a prefill step's int8 dots (the dot4 layouts') in tiles of tokens (the LM head's one token needs none)
             tokens = ops.INT8_TOKENS if prefill and fmt.digits and self.digits == quant.INT8 and not logits else 1
             return [LaunchTemplate(ops.matmul(fmt, rows, cols, self.T, acc, bias is not None, not interleave,
                                               self.digits, tokens),
-                                   {"w": f"w:{name}", "x": f"a:{x}", **bufs, **digits}, scalars)]
+                                   {"w": f"w:{name}", "x": f"a:{x}", **bufs, **self._digits(fmt)}, scalars)]
         out = []
         for mm, at in prefill_matmuls(fmt, rows, cols, self.T, acc, bias is not None, tile):
             names = {s: f"{s}_{v}" for s, v in at.items()}  # constants, the same at every step
@@ -240,11 +263,18 @@ class Llama:
                                       {**scalars, **names}))
         return out
 
+    @staticmethod
+    def _digits(fmt):
+        """A dot4 layout's matmul's input buffers, as `ops.quantize_input` writes them."""
+        return {"xq": "a:xq", "xd": "a:xd", "xs": "a:xs"} if fmt.digits else {}
+
     def _inputs(self, x, cols, unit, names, prefill=False, interleave=True):
         """The launch that writes activation x as the dot4 layouts' matmuls of weights `names` (of `unit`) read it,
-        quantized (`xq`, `xd`, `xs`), if any of them is such a matmul (the prefill matmul reads x itself)."""
+        quantized (`xq`, `xd`, `xs`), if any of them is such a matmul (the prefill matmul reads x itself; a mixture
+        of experts' never runs there)."""
         shapes = self.weight_shapes(unit)
-        if not any(f.digits and not self._prefill_matmul(f, shapes[n][0][0], prefill, interleave)
+        if not any(f.digits and (n.endswith("_exps.weight") or
+                                 not self._prefill_matmul(f, shapes[n][0][0], prefill, interleave))
                    for n, f in ((n, self.fmt(n, shapes[n][0], interleave)) for n in names)):
             return []
         return [LaunchTemplate(ops.quantize_input(cols, self.T, self.digits),
@@ -304,6 +334,32 @@ class Llama:
         def pre_norm(name, scalars):
             return [LaunchTemplate(norm, {"x": "a:x", "w": f"w:{p}{name}.weight", "out": "a:xn"}, scalars)
                     ] if c.pre_norm else []
+
+        def mlp():
+            if not c.experts:
+                return [*inputs(src, c.dim, "ffn_gate", "ffn_up"),
+                        *mm_wanted(p + "ffn_gate.weight", src, "g", c.ffn, c.dim),
+                        *mm_wanted(p + "ffn_up.weight", src, "u", c.ffn, c.dim),
+                        LaunchTemplate(act(c.ffn, T), {"g": "a:g", "u": "a:u", "h": "a:h"}, only_wanted),
+                        *inputs("h", c.ffn, "ffn_down"),
+                        *joined("ffn_down", "h", c.dim, c.ffn)]
+            # a mixture of experts: the router's logits, its choice, then each slot's expert (its input quantized
+            # again after the last slot's down projection) joining the residual times its weight
+            out = [*inputs(src, c.dim, "ffn_gate_inp"), *mm_wanted(p + "ffn_gate_inp.weight", src, "router",
+                                                                  c.experts, c.dim),
+                   LaunchTemplate(ops.moe_route(c.experts, c.experts_used, T, c.experts_normalize),
+                                  {"r": "a:router", "sel": "a:sel", "wt": "a:wt"}, only_wanted)]
+            for j in range(c.experts_used):
+                expert = functools.partial(mm, scalars=only_wanted, slot=j)
+                out += [*inputs(src, c.dim, "ffn_gate_exps", "ffn_up_exps"),
+                        *expert(p + "ffn_gate_exps.weight", src, "g", c.ffn, c.dim),
+                        *expert(p + "ffn_up_exps.weight", src, "u", c.ffn, c.dim),
+                        LaunchTemplate(act(c.ffn, T), {"g": "a:g", "u": "a:u", "h": "a:h"}, only_wanted),
+                        *inputs("h", c.ffn, "ffn_down_exps"),
+                        *expert(p + "ffn_down_exps.weight", "h", "y", c.dim, c.ffn),
+                        LaunchTemplate(ops.add_weighted(c.dim, T, c.experts_used),
+                                       {"y": "a:y", "wt": "a:wt", "x": "a:x"}, {**only_wanted, "slot": f"slot{j}"})]
+            return out
         return [
             *pre_norm("attn_norm", EVERY_TOKEN),
             *inputs(src, c.dim, "attn_q", "attn_k", "attn_v"),
@@ -321,12 +377,7 @@ class Llama:
             *inputs("att", q, "attn_output"),
             *joined("attn_output", "att", c.dim, q),
             *pre_norm("ffn_norm", only_wanted),
-            *inputs(src, c.dim, "ffn_gate", "ffn_up"),
-            *mm_wanted(p + "ffn_gate.weight", src, "g", c.ffn, c.dim),
-            *mm_wanted(p + "ffn_up.weight", src, "u", c.ffn, c.dim),
-            LaunchTemplate(act(c.ffn, T), {"g": "a:g", "u": "a:u", "h": "a:h"}, only_wanted),
-            *inputs("h", c.ffn, "ffn_down"),
-            *joined("ffn_down", "h", c.dim, c.ffn),
+            *mlp(),
         ]
 
     def page_bytes(self):

@@ -95,7 +95,10 @@ class ModelFile(_Tensors):
             eps=f"{arch}.attention.layer_norm_rms_epsilon", rope_base=f"{arch}.rope.freq_base",
             context=f"{arch}.context_length", rope_dim=f"{arch}.rope.dimension_count"))
         archs.gguf_features(self.config, arch, p, self.path)
-        self.tensors = {n: Tensor(n, t.shape, t.type_name, (lambda n=n: g.raw(n))) for n, t in g.tensors.items()}
+        # a mixture's experts, [experts, rows, cols] in the file: their matrices one after another
+        self.tensors = {n: Tensor(n, (t.shape[0] * t.shape[1], *t.shape[2:]) if n.endswith("_exps.weight") and
+                                  len(t.shape) == 3 else t.shape, t.type_name, (lambda n=n: g.raw(n)))
+                        for n, t in g.tensors.items()}
         self._split_fused(arch == "phi3")
         _refuse_unused(self.path, set(self.tensors) - self.tensor_names())
         if arch in archs.HALVES_ARCHS:
@@ -162,6 +165,9 @@ class ModelFile(_Tensors):
                 names.update(f"blk.{i}.{g}.weight" for g in self.HF_QK_NORMS)
             if cfg.sandwich:
                 names.update(f"blk.{i}.{g}.weight" for g in ("post_attention_norm", "post_ffw_norm"))
+            if cfg.experts:
+                names.update(f"blk.{i}.{g}.weight" for g in ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps",
+                                                             "ffn_down_exps"))
         return names
 
     def _split_fused(self, fused_ffn):
@@ -213,6 +219,10 @@ class ModelFile(_Tensors):
     HF_SANDWICH = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                    "post_ffw_norm": "post_feedforward_layernorm"}
     HF_FUSED = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}  # Phi-3's (`_split_fused`)
+    # a mixture of experts': (its router, an expert's prefix, the expert's gate, up and down projections)
+    HF_MOE = {"mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts.{e}.", ("w1", "w3", "w2")),
+              "qwen3_moe": ("mlp.gate", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj")),
+              "olmoe": ("mlp.gate", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj"))}
 
     def _open_hf(self):
         from .safetensors import SafetensorsFolder
@@ -271,6 +281,16 @@ class ModelFile(_Tensors):
                 add(f"blk.{i}.{g}.weight", f"model.layers.{i}.{h}.weight")
                 if cfg.bias and g in ("attn_q", "attn_k", "attn_v"):
                     add(f"blk.{i}.{g}.bias", f"model.layers.{i}.{h}.bias")
+            if cfg.experts:
+                router, expert, parts = self.HF_MOE[c["model_type"]]
+                add(f"blk.{i}.ffn_gate_inp.weight", f"model.layers.{i}.{router}.weight")
+                for g, part in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), parts):
+                    hf = [f"model.layers.{i}.{expert.format(e=e)}{part}.weight" for e in range(cfg.experts)]
+                    if all(n in st.tensors for n in hf):
+                        used.update(hf)
+                        self.tensors[f"blk.{i}.{g}.weight"] = _stacked(
+                            f"blk.{i}.{g}.weight", [Tensor(n, st.tensors[n].shape, st.tensors[n].type_name,
+                                                           (lambda n=n: st.raw(n))) for n in hf], where)
         self._split_fused(c["model_type"] == "phi3")
         self._rope_pairs()
         # older checkpoints saved the rotary frequencies, which are computed from the config instead
@@ -317,6 +337,17 @@ def _rows(t, name, start, rows):
         per = len(data) // t.shape[0]
         return data[start * per:(start + rows) * per]
     return Tensor(name, (rows, *t.shape[1:]), t.type_name, raw)
+
+
+def _stacked(name, parts, where):
+    """Tensors of one shape and type one after another (a mixture's experts), as one tensor."""
+    first = parts[0]
+    for t in parts:
+        if (t.shape, t.type_name) != (first.shape, first.type_name):
+            raise ModelFileError(where, f"tensor {t.name!r} is {t.type_name} {tuple(t.shape)}, unlike "
+                                        f"{first.name!r} ({first.type_name} {tuple(first.shape)})")
+    return Tensor(name, (len(parts) * first.shape[0], *first.shape[1:]), first.type_name,
+                  lambda: np.concatenate([t.raw() for t in parts]))
 
 
 def _as_f32(raw, type_name, what):

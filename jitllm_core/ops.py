@@ -111,17 +111,19 @@ INT8_TOKENS = 4
 
 @functools.cache
 def matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=False, wide=False,
-           digits=DIGITS, tokens=1) -> ir.Kernel:
+           digits=DIGITS, tokens=1, experts=0, used=0) -> ir.Kernel:
     """y[t, r] (+)= W[r, :] . x[t, :] (+ b[r]) for t in [t0, n_tokens); one quantized row per iteration (an
     interleaved format's: ROWS rows, a vector lane each), reused across the step's tokens while it is in cache.
     The dot4 layouts (`Format.digits`) read the input as `quantize_input(cols, T, digits)` writes it. wide: the
     row's dot in the form for a device of many threads (Format.row_dot). tokens: an interleaved format's tokens
     in tiles of this many, their dots sibling reduces over the row's blocks (one loop: each weight loaded and
-    unpacked once for the tile), the step's last (n_tokens - t0) % tokens one by one."""
+    unpacked once for the tile), the step's last (n_tokens - t0) % tokens one by one. experts: W is that many
+    matrices of rows x cols one after another, token t's the one sel[t * used + slot] names (`moe_route`'s
+    choice; slot a scalar), so each token reads its own rows (no tiles)."""
     k = ir.Kernel(f"matmul_{fmt.name}_{rows}x{cols}_T{T}{'_acc' if accumulate else ''}{'_bias' if bias else ''}"
                   f"{'_wide' if wide else ''}{f'_d{digits}' if fmt.digits and digits != DIGITS else ''}"
-                  f"{f'_t{tokens}' if tokens > 1 else ''}")
-    k.buffer("w", fmt.storage, rows * fmt.row_units(cols)), k.buffer("x", "f32", T * cols)
+                  f"{f'_t{tokens}' if tokens > 1 else ''}{f'_e{experts}x{used}' if experts else ''}")
+    k.buffer("w", fmt.storage, max(1, experts) * rows * fmt.row_units(cols)), k.buffer("x", "f32", T * cols)
     if fmt.digits:
         k.buffer("xq", "u8", T * digits * cols), k.buffer("xd", "f32", T * cols // 32)
         k.buffer("xs", "f32", T * cols // 16)
@@ -129,6 +131,14 @@ def matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=Fal
         k.buffer("b", "f32", rows)
     k.buffer("y", "f32", T * rows, True)
     n, t0 = k.scalar("n_tokens"), k.scalar("t0")
+    if experts:
+        k.buffer("sel", "i32", T * used)
+        slot = k.scalar("slot")
+        tokens = 1
+
+    def row(t, r):  # row r of token t's matrix (an interleaved format's: row group r)
+        return r + k.load("sel", t * used + slot) * (rows // ROWS if isinstance(fmt, Interleaved) else rows) \
+            if experts else r
 
     def put(t, r, v):
         if bias:
@@ -140,7 +150,7 @@ def matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=Fal
         k.tune_as(f"matvec_{fmt.name}", n_tokens=1, t0=0)  # tuned for the decode step, where weights stream
         with k.parallel("rg", rows // ROWS) as rg:
             def dots(t, ri, n):  # tokens t .. t + n - 1 by the group's rows (lanes ri)
-                vs = [k.let(f"dot{j}", fmt.lane_dot(k, "w", rg, ri, cols, Input(k, t + j, cols, digits)))
+                vs = [k.let(f"dot{j}", fmt.lane_dot(k, "w", row(t + j, rg), ri, cols, Input(k, t + j, cols, digits)))
                       for j in range(n)]
                 for j, v in enumerate(vs):
                     put(t + j, rg * ROWS + ri, v)
@@ -156,7 +166,53 @@ def matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=Fal
         return k.finish()
     with k.parallel("r", rows) as r:
         with k.loop("t", n - t0, "serial", start=t0) as t:
-            put(t, r, fmt.row_dot(k, "w", r, cols, lambda c: k.load("x", t * cols + c), wide))
+            put(t, r, fmt.row_dot(k, "w", row(t, r), cols, lambda c: k.load("x", t * cols + c), wide))
+    return k.finish()
+
+
+@functools.cache
+def moe_route(experts: int, used: int, T: int, normalize: bool) -> ir.Kernel:
+    """A mixture of experts' router for the tokens from t0: the `used` experts of token t's largest logits r[t, :]
+    (the first of equal ones) into sel[t * used + j], likeliest first, and their weights into wt: softmax(r)'s,
+    divided by their sum where normalize (Mixtral's, Qwen3-MoE's; OLMoE's not). A chosen logit is scored out of r
+    as it is taken."""
+    k = ir.Kernel(f"moe_route_{experts}x{used}_T{T}{'_norm' if normalize else ''}")
+    k.buffer("r", "f32", T * experts, True), k.buffer("sel", "i32", T * used, True)
+    k.buffer("wt", "f32", T * used, True)
+    n, t0 = k.scalar("n_tokens"), k.scalar("t0")
+    with k.parallel("j", n - t0) as j:
+        t = k.let("t", t0 + j)
+        logit = lambda e: k.load("r", t * experts + e)
+        top = k.let("top", ir.reduce("max", "e", experts, logit))
+        weights = []
+        for i in range(used):
+            m = k.let(f"m{i}", ir.reduce("max", "e", experts, logit))
+            at = k.let(f"at{i}", ir.i32(ir.reduce("min", "e", experts,
+                                                 lambda e: ir.select(logit(e) == m, ir.f32(e), float(experts)))))
+            k.store("sel", t * used + i, at)
+            weights.append(k.let(f"p{i}", exp(m - top)))
+            k.store("r", t * experts + at, OUT)
+        # the softmax's sum: the chosen ones', or every expert's (the chosen now scored out of r: added back)
+        total = sum(weights[1:], weights[0])
+        if not normalize:
+            total = total + ir.reduce("add", "e", experts, lambda e: exp(logit(e) - top))
+        for i, w in enumerate(weights):
+            k.store("wt", t * used + i, w / total)
+    return k.finish()
+
+
+@functools.cache
+def add_weighted(dim: int, T: int, used: int) -> ir.Kernel:
+    """x += wt[t * used + slot] * y for the tokens t from t0: an expert's output joining the residual, times its
+    weight for the token (`moe_route`; slot a scalar)."""
+    k = ir.Kernel(f"add_weighted_{dim}_T{T}_u{used}")
+    k.buffer("y", "f32", T * dim), k.buffer("wt", "f32", T * used), k.buffer("x", "f32", T * dim, True)
+    n, t0, slot = k.scalar("n_tokens"), k.scalar("t0"), k.scalar("slot")
+    with k.parallel("j", n - t0) as j:
+        w = k.let("w", k.load("wt", (t0 + j) * used + slot))
+        with k.loop("i", dim, "vector") as i:
+            at = (t0 + j) * dim + i
+            k.store("x", at, k.load("x", at) + k.load("y", at) * w)
     return k.finish()
 
 

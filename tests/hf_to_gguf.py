@@ -6,6 +6,7 @@ it loads them. Gemma's norms are written as 1 + w (what they scale by), its slid
 multipliers, as keys of their own; YaRN's and LongRoPE's scalings as llama.cpp's keys (and LongRoPE's factors as
 tensors), a rope over part of each head as its rope.dimension_count."""
 import math
+import re
 
 import numpy as np
 import pytest
@@ -22,6 +23,12 @@ NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
 # Gemma's: post_attention_layernorm norms the attention's output there
 GEMMA_NAMES = {**NAMES, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+# a mixture of experts' (transformers 5 holds them fused: [experts, gate's rows then up's, cols] and [experts,
+# rows, cols] of the down projections): as llama.cpp's converter stacks them
+EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+ROUTER = re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.weight")
 
 
 def _gguf_name(hf, names=NAMES):
@@ -83,6 +90,13 @@ def write(model, arch, path, tokenizer_gguf, matrix_type="Q8_0"):
     if head_dim != c.hidden_size // c.num_attention_heads:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        if getattr(c, "moe_intermediate_size", None) and arch == "qwen3moe":
+            w.add_expert_feed_forward_length(c.moe_intermediate_size)
+
     tok = gguf.GGUFReader(tokenizer_gguf)
     for name, f in tok.fields.items():
         if name.startswith("tokenizer."):
@@ -92,19 +106,35 @@ def write(model, arch, path, tokenizer_gguf, matrix_type="Q8_0"):
         if gemma and hf == "lm_head.weight":  # tied: the embedding
             continue
         a = t.detach().float().numpy()
-        name = _gguf_name(hf, GEMMA_NAMES if post_norms else NAMES)
+        experts, router = EXPERTS.fullmatch(hf), ROUTER.fullmatch(hf)
+        if experts:
+            i, part = experts.groups()
+            if part == "down_proj":
+                _add(w, f"blk.{i}.ffn_down_exps.weight", a, matrix_type)
+            else:
+                ffn = a.shape[1] // 2
+                _add(w, f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(a[:, :ffn]), matrix_type)
+                _add(w, f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(a[:, ffn:]), matrix_type)
+            continue
+        name = f"blk.{router.group(1)}.ffn_gate_inp.weight" if router else \
+            _gguf_name(hf, GEMMA_NAMES if post_norms else NAMES)
         if gemma and name.endswith("norm.weight"):
             a = a + 1
         if pairs and (".attn_q." in name or ".attn_k." in name):
             a = _pairs(a, c.num_attention_heads if ".attn_q." in name else c.num_key_value_heads)
-        if a.ndim == 2:
-            kind = gguf.GGMLQuantizationType[matrix_type]
-            data = a if matrix_type == "F32" else gguf.quants.quantize(a, kind)
-            w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
-        else:
-            w.add_tensor(name, np.ascontiguousarray(a, np.float32))
+        _add(w, name, a, matrix_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+def _add(w, name, a, matrix_type):
+    """A matrix (or a stack of them) in matrix_type; a vector in F32."""
+    if a.ndim >= 2:
+        kind = gguf.GGMLQuantizationType[matrix_type]
+        data = a if matrix_type == "F32" else gguf.quants.quantize(a, kind)
+        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
+    else:
+        w.add_tensor(name, np.ascontiguousarray(a, np.float32))

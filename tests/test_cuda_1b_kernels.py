@@ -44,7 +44,7 @@ def gemma_3_1b_q4_k_m():
     """Gemma-3-1B's shape as llama.cpp's Q4_K_M writes it: its 1152-column matrices in Q5_0 (not whole 256-blocks),
     the FFN down projection in Q4_K; windows of 512 on five layers in six, per-head norms, a local rope table."""
     c = Config(n_layer=26, dim=1152, n_head=4, n_kv=1, head_dim=256, ffn=6912, vocab=262144, eps=1e-6,
-               rope_base=1e6, context=32768, qk_norm=True, sliding_window=512,
+               rope_base=1e6, context=32768, qk_norm="head", sliding_window=512,
                full_layers=frozenset(range(5, 26, 6)), embed_scale=1152 ** 0.5, act="gelu_tanh", sandwich=True,
                local_rope_base=1e4)
     kv, q = c.n_kv * c.head_dim, c.n_head * c.head_dim

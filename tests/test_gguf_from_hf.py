@@ -55,12 +55,14 @@ def gguf_models(tmp_path_factory, default_model):
     # LongRoPE's long factors (the engine's 512 positions are past the original 64, and so are transformers' 80),
     # and its short ones (an engine of 64 positions, 40 of them)
     ("phi3", "phi3-longrope", None, 80), ("phi3", "phi3-longrope", 64, 40),
-    ("gemma3", "gemma3-swa-base", None, 40), ("olmo2", "olmo2-f32", None, 40)])
+    ("gemma3", "gemma3-swa-base", None, 40), ("olmo2", "olmo2-f32", None, 40),
+    # mixtures of experts: Mixtral's as a llama file with experts, Qwen3-MoE's, OLMoE's
+    ("llama", "mixtral-f32", None, 40), ("qwen3moe", "qwen3moe-f32", None, 40), ("olmoe", "olmoe-f32", None, 40)])
 def test_gguf_transformers_cannot_read_matches_its_source(cpu, tmp_path, default_model, arch, variant, max_context,
                                                           n):
     """GGUF files transformers does not read (SmolLM3's last layer in 4 without rope, Granite's multipliers,
-    YaRN's and LongRoPE's keys and Phi-3's rope over part of each head, Gemma 3's local rope base, OLMo 2): with
-    F32 matrices, against the transformers model each was written from."""
+    YaRN's and LongRoPE's keys and Phi-3's rope over part of each head, Gemma 3's local rope base, OLMo 2, the
+    mixtures of experts): with F32 matrices, against the transformers model each was written from."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(default_model),
                                                            gguf_file=os.path.basename(default_model))
     model = _build(tmp_path / variant, variant, tokenizer, {**VARIANTS, **GGUF_VARIANTS}[variant])
@@ -105,3 +107,48 @@ def test_gguf_on_an_accelerator_matches_transformers(gguf_models, device, arch):
         steps, prompt = step_and_prompt_errors(eng, path, (eng.tokenizer.encode(PROMPTS[0]) * 2)[:40])
     assert steps <= 1e-3
     assert prompt <= 1e-3
+
+
+@pytest.mark.parametrize("device", ["vulkan:0", "cuda:0"])
+def test_moe_on_an_accelerator(tmp_path, default_model, device):
+    """A mixture of experts (Qwen3-MoE's) on each accelerator: the router's choice and each token's expert rows in
+    the wide matmul form, against the transformers model the file was written from."""
+    from conftest import backend_device
+    backend_device(device)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(default_model),
+                                                           gguf_file=os.path.basename(default_model))
+    model = _build(tmp_path / "moe", "qwen3moe-f32", tokenizer)
+    path = hf_to_gguf.write(model, "qwen3moe", tmp_path / "moe.gguf", default_model, matrix_type="F32")
+    with jl.Engine(path, devices=[device], kv_dtype="f32") as eng:
+        ids = (eng.tokenizer.encode(PROMPTS[0]) * 2)[:40]
+        with eng.session() as s:
+            steps = np.concatenate([s.feed([t]) for t in ids[:8]])
+        prompt = eng.score(ids)
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].numpy()
+    assert np.abs(steps - want[:8]).max() <= 1e-3
+    assert np.abs(prompt - want).max() <= 1e-3
+
+
+def test_quantized_moe_matches_its_dequantized_source(cpu, tmp_path, default_model):
+    """Q8_0 experts (their CPU layout interleaved: each token's expert rows read in row groups) against the source
+    model with every matrix replaced by what the file's Q8_0 blocks hold."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(default_model),
+                                                           gguf_file=os.path.basename(default_model))
+    model = _build(tmp_path / "moe", "qwen3moe-f32", tokenizer)
+    path = hf_to_gguf.write(model, "qwen3moe", tmp_path / "moe.gguf", default_model, matrix_type="Q8_0")
+    q8 = hf_to_gguf.gguf.GGMLQuantizationType.Q8_0
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                a = p.detach().numpy()
+                p.copy_(torch.from_numpy(hf_to_gguf.gguf.quants.dequantize(hf_to_gguf.gguf.quants.quantize(a, q8), q8)
+                                         .reshape(a.shape)))
+    with jl.Engine(path, devices=["cpu"], kv_dtype="f32") as eng:
+        experts = "blk.0.ffn_gate_exps.weight"
+        assert eng.model.fmt(experts, eng.model.weight_shapes(0)[experts][0]).name == "R8"  # interleaved
+        ids = (eng.tokenizer.encode(PROMPTS[0]) * 2)[:40]
+        got = eng.score(ids)
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].numpy()
+    assert np.abs(got - want).max() <= 1e-3

@@ -75,6 +75,14 @@ VARIANTS = {  # name -> (config class name, dtype saved, rope parameters[, shape
                                                                 "original_max_position_embeddings": 64},
                                              "sliding_attention": {**ROPE, "rope_type": "default"}},
                   {"sliding_window": 21}),
+    # mixtures of experts: 2 of 8 experts (of 64-wide MLPs) per token, their weights normalized (Mixtral,
+    # Qwen3-MoE with norm_topk_prob) or not (OLMoE, whose whole query and key are normed)
+    "mixtral-f32": ("MixtralConfig", "float32", ROPE, {"num_local_experts": 8, "num_experts_per_tok": 2,
+                                                       "intermediate_size": 64}),
+    "qwen3moe-f32": ("Qwen3MoeConfig", "float32", ROPE, {"num_experts": 8, "num_experts_per_tok": 2,
+                                                         "moe_intermediate_size": 64, "norm_topk_prob": True}),
+    "olmoe-f32": ("OlmoeConfig", "float32", ROPE, {"num_experts": 8, "num_experts_per_tok": 2,
+                                                   "intermediate_size": 64}),
     # scaled rope: an original context of 64 positions scales most of the frequencies these prompts turn through
     "llama-rope-linear": ("LlamaConfig", "float32", {**ROPE, "rope_type": "linear", "factor": 4.0}),
     "llama-rope-llama3": ("LlamaConfig", "float32", {**ROPE, "rope_type": "llama3", "factor": 4.0,
