@@ -33,10 +33,15 @@ PROMPT_TEXT = ("The history of compilers begins with the first high-level langua
 
 def gguf_bytes_per_token(path: str) -> int:
     """Bytes of the model's tensors, each read once per token; an untied embedding table counts only as the
-    one row a token reads (nothing)."""
-    tensors = GGUFFile(path).tensors
-    skip = {"token_embd.weight"} if "output.weight" in tensors else set()
-    return sum(t.nbytes for name, t in tensors.items() if name not in skip)
+    one row a token reads (nothing), a mixture's experts as the share a token uses (expert_used_count of
+    expert_count)."""
+    g = GGUFFile(path)
+    arch = g.get("general.architecture", "")
+    experts = g.get(f"{arch}.expert_count", 0)
+    share = g.get(f"{arch}.expert_used_count", 0) / experts if experts else 1
+    skip = {"token_embd.weight"} if "output.weight" in g.tensors else set()
+    return round(sum(t.nbytes * (share if name.endswith("_exps.weight") else 1)
+                     for name, t in g.tensors.items() if name not in skip))
 
 
 def prompt_ids(tokenizer, n: int) -> list[int]:
