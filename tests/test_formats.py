@@ -369,6 +369,11 @@ def test_more_tokens_than_embedding_rows_is_refused(tmp_path):
     ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "partial_rotary_factor is 0.5"),
     ({"model_type": "phi3", "partial_rotary_factor": 0.25}, "partial_rotary_factor gives a rope over 1 dimensions"),
     ({"model_type": "gemma2", "hidden_activation": "gelu"}, "hidden_activation 'gelu' is not supported"),
+    # mixtures of experts: more used than there are; dense layers among the experts' (not computed)
+    ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 5},
+     "num_experts_per_tok is 5; 1 to the 4 experts are needed"),
+    ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+      "mlp_only_layers": [0]}, "dense MLP layers among the experts' are not supported"),
 ])
 def test_a_config_json_value_no_model_has_is_named(tmp_path, changes, problem):
     from jitllm_core.modelfile import ModelFile
