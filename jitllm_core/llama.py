@@ -208,6 +208,7 @@ class Llama:
         """A unit's weight bytes; the interleaved layouts' are the larger, so the default is what plans use."""
         return sum(self.tensor_bytes(t, unit, interleave) for t in self.weight_shapes(unit))
 
+    @functools.lru_cache(maxsize=None)  # read at every step (the engine's counters)
     def step_bytes(self, unit, interleave=True):
         """The weight bytes a decode step reads of a unit: a mixture's experts, the share its tokens use."""
         c = self.cfg
