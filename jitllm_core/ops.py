@@ -186,7 +186,7 @@ def moe_route(experts: int, used: int, T: int, normalize: bool) -> ir.Kernel:
         top = k.let("top", ir.reduce("max", "e", experts, logit))
         weights = []
         for i in range(used):
-            m = k.let(f"m{i}", ir.reduce("max", "e", experts, logit))
+            m = top if i == 0 else k.let(f"m{i}", ir.reduce("max", "e", experts, logit))
             at = k.let(f"at{i}", ir.i32(ir.reduce("min", "e", experts,
                                                  lambda e: ir.select(logit(e) == m, ir.f32(e), float(experts)))))
             k.store("sel", t * used + i, at)
@@ -198,21 +198,6 @@ def moe_route(experts: int, used: int, T: int, normalize: bool) -> ir.Kernel:
             total = total + ir.reduce("add", "e", experts, lambda e: exp(logit(e) - top))
         for i, w in enumerate(weights):
             k.store("wt", t * used + i, w / total)
-    return k.finish()
-
-
-@functools.cache
-def add_weighted(dim: int, T: int, used: int) -> ir.Kernel:
-    """x += wt[t * used + slot] * y for the tokens t from t0: an expert's output joining the residual, times its
-    weight for the token (`moe_route`; slot a scalar)."""
-    k = ir.Kernel(f"add_weighted_{dim}_T{T}_u{used}")
-    k.buffer("y", "f32", T * dim), k.buffer("wt", "f32", T * used), k.buffer("x", "f32", T * dim, True)
-    n, t0, slot = k.scalar("n_tokens"), k.scalar("t0"), k.scalar("slot")
-    with k.parallel("j", n - t0) as j:
-        w = k.let("w", k.load("wt", (t0 + j) * used + slot))
-        with k.loop("i", dim, "vector") as i:
-            at = (t0 + j) * dim + i
-            k.store("x", at, k.load("x", at) + k.load("y", at) * w)
     return k.finish()
 
 
@@ -643,16 +628,21 @@ def gelu_mul(dim: int, T: int) -> ir.Kernel:
 
 
 @functools.cache
-def add(dim: int, T: int, scale=1.0) -> ir.Kernel:
-    """x += y (times scale) for the tokens from t0: a block's output joining the residual, normed (Gemma's sandwich
-    norms) or scaled (Granite's residual multiplier)."""
-    k = ir.Kernel(f"add_{dim}_T{T}{f'_x{scale:g}' if scale != 1.0 else ''}")
-    k.buffer("y", "f32", T * dim), k.buffer("x", "f32", T * dim, True)
+def add(dim: int, T: int, scale=1.0, used=0) -> ir.Kernel:
+    """x += y for the tokens from t0, times scale, or where used times wt[t * used + slot] (slot a scalar): a
+    block's output joining the residual, normed (Gemma's sandwich norms), scaled (Granite's residual multiplier)
+    or weighted (an expert's, by the router's weight for the token: `moe_route`)."""
+    k = ir.Kernel(f"add_{dim}_T{T}{f'_x{scale:g}' if scale != 1.0 else ''}{f'_u{used}' if used else ''}")
+    k.buffer("y", "f32", T * dim)
+    if used:
+        k.buffer("wt", "f32", T * used)
+    k.buffer("x", "f32", T * dim, True)
     n, t0 = k.scalar("n_tokens"), k.scalar("t0")
     with k.parallel("j", n - t0) as j:
+        w = k.let("w", k.load("wt", (t0 + j) * used + k.scalar("slot"))) if used else scale
         with k.loop("i", dim, "vector") as i:
             at = (t0 + j) * dim + i
-            k.store("x", at, k.load("x", at) + (k.load("y", at) * scale if scale != 1.0 else k.load("y", at)))
+            k.store("x", at, k.load("x", at) + (k.load("y", at) * w if used or scale != 1.0 else k.load("y", at)))
     return k.finish()
 
 

@@ -1,6 +1,6 @@
 """A mixture of experts' ops on every installed backend, against NumPy: the router's top-k choice and weights
 (`ops.moe_route`), a matmul whose rows each token takes from the expert chosen for it (`ops.matmul(experts=)`), in
-a plain format and a repacked one, and an expert's weighted output joining the residual (`ops.add_weighted`)."""
+a plain format and a repacked one, and an expert's weighted output joining the residual (`ops.add(used=)`)."""
 import numpy as np
 import pytest
 
@@ -61,11 +61,11 @@ def test_expert_matmul(device, name):
 
 
 @pytest.mark.parametrize("device", installed_devices(), ids=lambda d: d.name)
-def test_add_weighted(device):
+def test_add_weighted_by_the_router(device):
     rng = np.random.default_rng(3)
     x, y = rng.standard_normal((T, 40)).astype(np.float32), rng.standard_normal((T, 40)).astype(np.float32)
     wt = rng.random((T, K)).astype(np.float32)
-    out = run_on_device(device, ops.add_weighted(40, T, K), {"y": y.reshape(-1), "wt": wt.reshape(-1),
+    out = run_on_device(device, ops.add(40, T, used=K), {"y": y.reshape(-1), "wt": wt.reshape(-1),
                                                             "x": x.reshape(-1).copy()}, {"n_tokens": T, "t0": 2, "slot": 2})
     got = out["x"].reshape(T, 40)
     np.testing.assert_array_equal(got[:2], x[:2])
