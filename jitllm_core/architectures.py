@@ -1,7 +1,7 @@
 """What the architectures jitllm computes are made of, read from a config.json or a GGUF file's keys: the `Config`
 (the Llama block's shapes and the features some architectures add to it) and the readers of those features -- rope
-scalings, sliding windows, Gemma's, Granite's and SmolLM3's -- each refusing values no model has by name. The
-files themselves are read in `modelfile`."""
+scalings, sliding windows, mixtures of experts, Gemma's, OLMo's, Granite's and SmolLM3's -- each refusing values
+no model has by name. The files themselves are read in `modelfile`."""
 from __future__ import annotations
 
 import math
@@ -18,11 +18,17 @@ GGUF_ARCHS = ("llama", "smollm3", "granite", "qwen2", "qwen3", "phi3", "gemma2",
 HALVES_ARCHS = ("qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2", "qwen3moe", "olmoe")
 HF_TYPES = ("llama", "smollm3", "granite", "qwen2", "qwen3", "mistral", "phi3", "gemma2",  # config.json model_type
             "gemma3_text", "olmo2", "olmo3", "mixtral", "qwen3_moe", "olmoe")
+# query and key norms by GGUF architecture or config.json model_type: each head's, or the whole vector's
+QK_NORMS = {"qwen3": "head", "qwen3moe": "head", "qwen3_moe": "head", "olmoe": "whole"}
 # architectures with a mixture of experts -> whether the chosen experts' weights are divided by their sum, as
 # llama.cpp computes a GGUF file (Mixtral's are llama files with experts); config.json's norm_topk_prob says
 MOE_GGUF = {"llama": True, "qwen3moe": True, "olmoe": False}
-MOE_HF = ("mixtral", "qwen3_moe", "olmoe")
+# config.json's -> (its router, an expert's prefix, the expert's gate, up and down projections), under model.layers.i
+MOE_HF = {"mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts.{e}.", ("w1", "w3", "w2")),
+          "qwen3_moe": ("mlp.gate", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj")),
+          "olmoe": ("mlp.gate", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj"))}
 MOE_COUNT = ("num_local_experts", "num_experts")  # config.json's key of the experts' count (either, by version)
+EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # a mixture's tensors: its experts' matrices stacked
 # OLMo 3's layers that see every key, one in this many, where a GGUF file (llama.cpp's olmo2) has a window
 OLMO3_FULL_EVERY = 4
 # SmolLM3's layers without rope, one in this many (the last of each run), where a file does not list them
@@ -296,6 +302,11 @@ def granite(cfg, embed, residual, attention, logits):
     cfg.embed_scale, cfg.residual_scale, cfg.attn_scale, cfg.logit_scale = embed, residual, attention, logits
 
 
+def experts_tensor(name):
+    """Whether a (GGUF-named) tensor is a mixture's stack of its experts' matrices."""
+    return name.endswith("_exps.weight")
+
+
 def every_kth(n_layer, k):
     """The layers i with (i + 1) % k == 0: the last of each run of k."""
     return frozenset(i for i in range(n_layer) if (i + 1) % k == 0)
@@ -304,19 +315,21 @@ def every_kth(n_layer, k):
 def gguf_features(cfg, arch, get, where):
     """What a GGUF file's architecture adds to the Llama block, on its Config; get(key, kind, default): the
     architecture's key, checked."""
-    cfg.bias, cfg.qk_norm = arch == "qwen2", {"qwen3": "head", "qwen3moe": "head", "olmoe": "whole"}.get(arch, "")
+    cfg.bias, cfg.qk_norm = arch == "qwen2", QK_NORMS.get(arch, "")
     experts = get("expert_count", int, 0)
     if experts:
         if arch not in MOE_GGUF:
             raise ModelFileError(where, f"{arch}.expert_count: a mixture of experts is not supported in {arch} files")
         cfg.ffn = get("expert_feed_forward_length", int, cfg.ffn)
         moe(cfg, experts, get("expert_used_count", int), MOE_GGUF[arch], where, f"{arch}.expert_used_count")
-    if arch == "olmo2":  # OLMo 3's files too: a window where the file says, on three layers in four
-        olmo(cfg)
+    if arch.startswith("gemma") or arch in ("phi3", "olmo2"):  # windows where the file says so
         cfg.sliding_window = get("attention.sliding_window", int, 0)
-        cfg.full_layers = every_kth(cfg.n_layer, OLMO3_FULL_EVERY) if cfg.sliding_window else frozenset()
-        if cfg.sliding_window and cfg.rope_scaling:  # llama.cpp's reading of which layers it scales: not known here
-            raise ModelFileError(where, "olmo2: a scaled rope with sliding windows (OLMo 3's long context) is "
+    if arch == "olmo2":  # OLMo 3's files too: the window on three layers in four
+        olmo(cfg)
+        if cfg.sliding_window:
+            cfg.full_layers = every_kth(cfg.n_layer, OLMO3_FULL_EVERY)
+            if cfg.rope_scaling:  # llama.cpp's reading of which layers it scales: not known here
+                raise ModelFileError(where, "olmo2: a scaled rope with sliding windows (OLMo 3's long context) is "
                                             "not supported in GGUF files")
     if arch.startswith("gemma"):
         # llama.cpp scales the scores of its 27B Gemmas by the embedding per head, not the head size
@@ -324,8 +337,6 @@ def gguf_features(cfg, arch, get, where):
         gemma(cfg, arch, *(get(key, float, 0.0) for key in GEMMA_CAPS), cfg.dim / cfg.n_head if big else None,
               get("rope.freq_base_swa", float, 0.0) or None)  # newer converters write the local base
         cfg.full_layers = every_kth(cfg.n_layer, GEMMA_FULL_EVERY[arch])
-    if arch.startswith("gemma") or arch == "phi3":  # Phi-3's every layer slides, where the file says so
-        cfg.sliding_window = get("attention.sliding_window", int, 0)
     if arch == "smollm3":
         cfg.nope_layers = every_kth(cfg.n_layer, NOPE_EVERY)
     if arch == "granite":
@@ -336,7 +347,7 @@ def hf_features(cfg, c, get, where):
     """What a config.json's model_type adds to the Llama block, on its Config; get(key, kind, default): c[key],
     checked."""
     kind = c["model_type"]
-    cfg.bias, cfg.qk_norm = kind == "qwen2", {"qwen3": "head", "qwen3_moe": "head", "olmoe": "whole"}.get(kind, "")
+    cfg.bias, cfg.qk_norm = kind == "qwen2", QK_NORMS.get(kind, "")
     if kind in MOE_HF:
         if kind == "qwen3_moe":  # its experts' width; dense layers among sparse ones are not computed
             cfg.ffn = get("moe_intermediate_size", int)

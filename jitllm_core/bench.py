@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from .architectures import experts_tensor
 from .cli import print_table
 from .engine import Engine
 from .errors import JitllmError
@@ -40,7 +41,7 @@ def gguf_bytes_per_token(path: str) -> int:
     experts = g.get(f"{arch}.expert_count", 0)
     share = g.get(f"{arch}.expert_used_count", 0) / experts if experts else 1
     skip = {"token_embd.weight"} if "output.weight" in g.tensors else set()
-    return round(sum(t.nbytes * (share if name.endswith("_exps.weight") else 1)
+    return round(sum(t.nbytes * (share if experts_tensor(name) else 1)
                      for name, t in g.tensors.items() if name not in skip))
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from . import ir, modelfile, ops, quant
+from .architectures import experts_tensor
 from .cache import cache_dir, digest, write_atomic
 from .errors import ModelFileError
 from .kvcache import SEQUENCES, window_pages
@@ -26,7 +27,7 @@ from .quant import ROWS, get_format, packed_format, repack
 LAYOUTS = digest(*(Path(m.__file__).read_bytes() for m in (quant, modelfile)))
 
 
-def rope_table(freqs: np.ndarray, positions: int, scale=1.0) -> np.ndarray:
+def rope_table(freqs: np.ndarray, positions: int, scale) -> np.ndarray:
     """cos and sin of every position's angle for each pair ([positions, pairs, 2] f32, `ops.rope`'s `rot`), times
     the pair's scale (YaRN's and LongRoPE's attention factor): the angle an f32 product, as the kernels computed it,
     its cosine and sine in f32 (within an ulp of f64's rounded; 131,072 positions of 64 pairs in 25 ms where f64
@@ -107,8 +108,11 @@ class Llama:
         c, T = self.cfg, self.T
         q, kv = c.n_head * c.head_dim, c.n_kv * c.head_dim
         inp = T * max(c.dim, q, c.ffn)  # the widest matmul input of a step
+        # a mixture's: the router's logits, its choice and weights, and the experts' down projections' input as
+        # the dot4 layouts read it (`_inputs(into="h")`: the MLP's input stays quantized for every slot's gate / up)
         moe = {"router": ("f32", T * c.experts), "sel": ("i32", T * c.experts_used),
-               "wt": ("f32", T * c.experts_used)} if c.experts else {}
+               "wt": ("f32", T * c.experts_used), "hq": ("u8", T * c.ffn * self.digits),
+               "hd": ("f32", T * c.ffn // 32), "hs": ("f32", T * c.ffn // 16)} if c.experts else {}
         return {**moe, "tok": ("i32", T), "x": ("f32", T * c.dim), "xn": ("f32", T * c.dim), "q": ("f32", T * q),
                 "k": ("f32", T * kv), "v": ("f32", T * kv), "att": ("f32", T * q), "g": ("f32", T * c.ffn),
                 "u": ("f32", T * c.ffn), "h": ("f32", T * c.ffn), "logits": ("f32", T * c.vocab),
@@ -146,12 +150,13 @@ class Llama:
         if unit == "head":
             return {"output_norm.weight": ((c.dim,), True), self.head_tensor: ((c.vocab, c.dim), False)}
         p, q, kv = f"blk.{unit}.", c.n_head * c.head_dim, c.n_kv * c.head_dim
-        e = max(1, c.experts)  # a mixture's: the experts' matrices one after another
+        e, mlp = (c.experts, "_exps") if c.experts else (1, "")  # a mixture's: the experts' matrices stacked
         w = {p + "attn_q.weight": ((q, c.dim), False),
              p + "attn_k.weight": ((kv, c.dim), False), p + "attn_v.weight": ((kv, c.dim), False),
              p + "attn_output.weight": ((c.dim, q), False),
-             p + self.ffn("gate"): ((e * c.ffn, c.dim), False), p + self.ffn("up"): ((e * c.ffn, c.dim), False),
-             p + self.ffn("down"): ((e * c.dim, c.ffn), False)}
+             p + f"ffn_gate{mlp}.weight": ((e * c.ffn, c.dim), False),
+             p + f"ffn_up{mlp}.weight": ((e * c.ffn, c.dim), False),
+             p + f"ffn_down{mlp}.weight": ((e * c.dim, c.ffn), False)}
         if c.experts:
             w[p + "ffn_gate_inp.weight"] = ((c.experts, c.dim), False)  # the router
         if c.pre_norm:
@@ -194,10 +199,6 @@ class Llama:
             self._held.setdefault(name, {})[packed.name] = np.memmap(path, np.uint8, mode="r")
         return self._held[name][packed.name]
 
-    def ffn(self, part):
-        """A layer's MLP weight `part` (gate, up, down): a mixture of experts' all of them."""
-        return f"ffn_{part}_exps.weight" if self.cfg.experts else f"ffn_{part}.weight"
-
     def tensor_bytes(self, name, unit, interleave=True):
         """Bytes of a weight as a device holds it (norms and biases become f32)."""
         shape, as_f32 = self.weight_shapes(unit)[name]
@@ -212,7 +213,7 @@ class Llama:
     def step_bytes(self, unit, interleave=True):
         """The weight bytes a decode step reads of a unit: a mixture's experts, the share its tokens use."""
         c = self.cfg
-        share = lambda t: c.experts_used / c.experts if t.endswith("_exps.weight") else 1
+        share = lambda t: c.experts_used / c.experts if experts_tensor(t) else 1
         return round(sum(self.tensor_bytes(t, unit, interleave) * share(t) for t in self.weight_shapes(unit)))
 
     def _file_format(self, name, shape):
@@ -223,7 +224,7 @@ class Llama:
         """The layout kernels read the tensor in: its file format's packed form (interleave, see `interleaves`),
         else the file format."""
         fmt = self._file_format(name, shape)
-        rows = shape[0] // self.cfg.experts if name.endswith("_exps.weight") else shape[0]  # an expert's groups
+        rows = shape[0] // self.cfg.experts if experts_tensor(name) else shape[0]  # an expert's groups
         return packed_format(fmt, rows) if interleave else fmt
 
     def _prefill_matmul(self, fmt, rows, prefill, interleave):
@@ -234,12 +235,13 @@ class Llama:
         return prefill and interleave and rows % ROWS == 0 and not (fmt.digits and self.digits == quant.INT8)
 
     def _mm(self, name, x, y, rows, cols, acc=False, bias=None, logits=False, prefill=False, interleave=True,
-            tile=ops.GEMM_TILE, scalars=EVERY_TOKEN, slot=None):
+            tile=ops.GEMM_TILE, scalars=EVERY_TOKEN, slot=None, into="x"):
         """Matmul launches, for every token (`scalars` EVERY_TOKEN) or from the step's `t0` ({}: where only the
         wanted tokens' outputs are, the LM head's and the last layer's queries and after its attention). Through the
         prefill matmul (`_prefill_matmul`, its register tile `tile`), the weights are dequantized to f32 once
         and reused by every token of the step. slot: a mixture of experts' weights, each token's rows those of the
-        expert the router chose for it in that slot (the decode matmul, token by token)."""
+        expert the router chose for it in that slot (the decode matmul, token by token). into: the dot4 layouts'
+        quantized input's buffers (`_inputs`)."""
         c = self.cfg
         fmt = self.fmt(name, (rows * (c.experts if slot is not None else 1), cols), interleave)
         bufs = {"y": f"a:{y}", **({"b": f"w:{bias}"} if bias else {})}
@@ -247,7 +249,7 @@ class Llama:
             self.constants[f"slot{slot}"] = slot
             return [LaunchTemplate(ops.matmul(fmt, rows, cols, self.T, acc, False, not interleave, self.digits,
                                               experts=c.experts, used=c.experts_used),
-                                   {"w": f"w:{name}", "x": f"a:{x}", "sel": "a:sel", **bufs, **self._digits(fmt)},
+                                   {"w": f"w:{name}", "x": f"a:{x}", "sel": "a:sel", **bufs, **self._digits(fmt, into)},
                                    {**scalars, "slot": f"slot{slot}"})]
         if not self._prefill_matmul(fmt, rows, prefill, interleave):
             # a prefill step's int8 dots (the dot4 layouts') in tiles of tokens (the LM head's one token needs none)
@@ -265,21 +267,26 @@ class Llama:
         return out
 
     @staticmethod
-    def _digits(fmt):
-        """A dot4 layout's matmul's input buffers, as `ops.quantize_input` writes them."""
-        return {"xq": "a:xq", "xd": "a:xd", "xs": "a:xs"} if fmt.digits else {}
+    def _quantized(into="x"):
+        """A matmul's input as `ops.quantize_input` writes it: into the activations `{into}q`, `{into}d`,
+        `{into}s`."""
+        return {"xq": f"a:{into}q", "xd": f"a:{into}d", "xs": f"a:{into}s"}
 
-    def _inputs(self, x, cols, unit, names, prefill=False, interleave=True):
+    def _digits(self, fmt, into="x"):
+        """A matmul's quantized input buffers, where its layout is a dot4 one."""
+        return self._quantized(into) if fmt.digits else {}
+
+    def _inputs(self, x, cols, unit, names, prefill=False, interleave=True, into="x"):
         """The launch that writes activation x as the dot4 layouts' matmuls of weights `names` (of `unit`) read it,
-        quantized (`xq`, `xd`, `xs`), if any of them is such a matmul (the prefill matmul reads x itself; a mixture
+        quantized (`_digits(into)`), if any of them is such a matmul (the prefill matmul reads x itself; a mixture
         of experts' never runs there)."""
         shapes = self.weight_shapes(unit)
-        if not any(f.digits and (n.endswith("_exps.weight") or
+        if not any(f.digits and (experts_tensor(n) or
                                  not self._prefill_matmul(f, shapes[n][0][0], prefill, interleave))
                    for n, f in ((n, self.fmt(n, shapes[n][0], interleave)) for n in names)):
             return []
         return [LaunchTemplate(ops.quantize_input(cols, self.T, self.digits),
-                               {"x": f"a:{x}", "xq": "a:xq", "xd": "a:xd", "xs": "a:xs"})]
+                               {"x": f"a:{x}", **self._quantized(into)})]
 
     def unit_launches(self, unit, prefill=False, interleave=True, tile=ops.GEMM_TILE):
         """The unit's launches for a decode step, or (prefill=True) for a step of many tokens, in the schedule
@@ -303,8 +310,8 @@ class Llama:
         cache = dict(page=self.page, n_pages=self.pool_pages(unit), max_pages=self.n_pages, kv_dtype=self.kv_dtype)
         kvb = {"ptab": "kv:ptab", "kc": "kv:k", "vc": "kv:v"}
         mm = functools.partial(self._mm, prefill=prefill, interleave=interleave, tile=tile)
-        inputs = lambda x, cols, *names: self._inputs(x, cols, unit, [p + n + ".weight" for n in names], prefill,
-                                                      interleave)
+        inputs = lambda x, cols, *names, into="x": self._inputs(x, cols, unit, [p + n + ".weight" for n in names],
+                                                                prefill, interleave, into)
         # the last layer's queries and what follows its attention feed only the LM head: from t0 (its keys and
         # values, every token's, go to the cache), as llama.cpp's graph keeps only the output rows there
         only_wanted = {} if unit == c.n_layer - 1 else EVERY_TOKEN
@@ -344,20 +351,19 @@ class Llama:
                         LaunchTemplate(act(c.ffn, T), {"g": "a:g", "u": "a:u", "h": "a:h"}, only_wanted),
                         *inputs("h", c.ffn, "ffn_down"),
                         *joined("ffn_down", "h", c.dim, c.ffn)]
-            # a mixture of experts: the router's logits, its choice, then each slot's expert (its input quantized
-            # again after the last slot's down projection) joining the residual times its weight
-            out = [*inputs(src, c.dim, "ffn_gate_inp"), *mm_wanted(p + "ffn_gate_inp.weight", src, "router",
-                                                                  c.experts, c.dim),
+            # a mixture of experts: its input quantized once, the router's logits and choice, then each slot's
+            # expert (its down projection's input quantized apart) joining the residual times its weight
+            out = [*inputs(src, c.dim, "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps"),
+                   *mm_wanted(p + "ffn_gate_inp.weight", src, "router", c.experts, c.dim),
                    LaunchTemplate(ops.moe_route(c.experts, c.experts_used, T, c.experts_normalize),
                                   {"r": "a:router", "sel": "a:sel", "wt": "a:wt"}, only_wanted)]
             for j in range(c.experts_used):
                 expert = functools.partial(mm, scalars=only_wanted, slot=j)
-                out += [*inputs(src, c.dim, "ffn_gate_exps", "ffn_up_exps"),
-                        *expert(p + "ffn_gate_exps.weight", src, "g", c.ffn, c.dim),
+                out += [*expert(p + "ffn_gate_exps.weight", src, "g", c.ffn, c.dim),
                         *expert(p + "ffn_up_exps.weight", src, "u", c.ffn, c.dim),
                         LaunchTemplate(act(c.ffn, T), {"g": "a:g", "u": "a:u", "h": "a:h"}, only_wanted),
-                        *inputs("h", c.ffn, "ffn_down_exps"),
-                        *expert(p + "ffn_down_exps.weight", "h", "y", c.dim, c.ffn),
+                        *inputs("h", c.ffn, "ffn_down_exps", into="h"),
+                        *expert(p + "ffn_down_exps.weight", "h", "y", c.dim, c.ffn, into="h"),
                         LaunchTemplate(ops.add(c.dim, T, used=c.experts_used),
                                        {"y": "a:y", "wt": "a:wt", "x": "a:x"}, {**only_wanted, "slot": f"slot{j}"})]
             return out

@@ -96,7 +96,7 @@ class ModelFile(_Tensors):
             context=f"{arch}.context_length", rope_dim=f"{arch}.rope.dimension_count"))
         archs.gguf_features(self.config, arch, p, self.path)
         # a mixture's experts, [experts, rows, cols] in the file: their matrices one after another
-        self.tensors = {n: Tensor(n, (t.shape[0] * t.shape[1], *t.shape[2:]) if n.endswith("_exps.weight") and
+        self.tensors = {n: Tensor(n, (t.shape[0] * t.shape[1], *t.shape[2:]) if archs.experts_tensor(n) and
                                   len(t.shape) == 3 else t.shape, t.type_name, (lambda n=n: g.raw(n)))
                         for n, t in g.tensors.items()}
         self._split_fused(arch == "phi3")
@@ -166,8 +166,7 @@ class ModelFile(_Tensors):
             if cfg.sandwich:
                 names.update(f"blk.{i}.{g}.weight" for g in ("post_attention_norm", "post_ffw_norm"))
             if cfg.experts:
-                names.update(f"blk.{i}.{g}.weight" for g in ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps",
-                                                             "ffn_down_exps"))
+                names.update(f"blk.{i}.{g}.weight" for g in ("ffn_gate_inp", *archs.EXPERTS))
         return names
 
     def _split_fused(self, fused_ffn):
@@ -219,10 +218,6 @@ class ModelFile(_Tensors):
     HF_SANDWICH = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                    "post_ffw_norm": "post_feedforward_layernorm"}
     HF_FUSED = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}  # Phi-3's (`_split_fused`)
-    # a mixture of experts': (its router, an expert's prefix, the expert's gate, up and down projections)
-    HF_MOE = {"mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts.{e}.", ("w1", "w3", "w2")),
-              "qwen3_moe": ("mlp.gate", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj")),
-              "olmoe": ("mlp.gate", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj"))}
 
     def _open_hf(self):
         from .safetensors import SafetensorsFolder
@@ -282,9 +277,9 @@ class ModelFile(_Tensors):
                 if cfg.bias and g in ("attn_q", "attn_k", "attn_v"):
                     add(f"blk.{i}.{g}.bias", f"model.layers.{i}.{h}.bias")
             if cfg.experts:
-                router, expert, parts = self.HF_MOE[c["model_type"]]
+                router, expert, parts = archs.MOE_HF[c["model_type"]]
                 add(f"blk.{i}.ffn_gate_inp.weight", f"model.layers.{i}.{router}.weight")
-                for g, part in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), parts):
+                for g, part in zip(archs.EXPERTS, parts):
                     hf = [f"model.layers.{i}.{expert.format(e=e)}{part}.weight" for e in range(cfg.experts)]
                     if all(n in st.tensors for n in hf):
                         used.update(hf)

@@ -130,23 +130,25 @@ def test_moe_on_an_accelerator(tmp_path, default_model, device):
     assert np.abs(prompt - want).max() <= 1e-3
 
 
-def test_quantized_moe_matches_its_dequantized_source(cpu, tmp_path, default_model):
-    """Q8_0 experts (their CPU layout interleaved: each token's expert rows read in row groups) against the source
-    model with every matrix replaced by what the file's Q8_0 blocks hold."""
+@pytest.mark.parametrize("kind, layout", [("Q8_0", "R8"), ("Q4_0", "R40")])
+def test_quantized_moe_matches_its_dequantized_source(cpu, tmp_path, default_model, kind, layout):
+    """Quantized experts (their CPU layout interleaved: each token's expert rows read in row groups; R40 a dot4
+    layout, its inputs quantized -- the MLP's once, each down projection's apart) against the source model with
+    every matrix replaced by what the file's blocks hold."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(default_model),
                                                            gguf_file=os.path.basename(default_model))
     model = _build(tmp_path / "moe", "qwen3moe-f32", tokenizer)
-    path = hf_to_gguf.write(model, "qwen3moe", tmp_path / "moe.gguf", default_model, matrix_type="Q8_0")
-    q8 = hf_to_gguf.gguf.GGMLQuantizationType.Q8_0
+    path = hf_to_gguf.write(model, "qwen3moe", tmp_path / "moe.gguf", default_model, matrix_type=kind)
+    q = hf_to_gguf.gguf.GGMLQuantizationType[kind]
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
                 a = p.detach().numpy()
-                p.copy_(torch.from_numpy(hf_to_gguf.gguf.quants.dequantize(hf_to_gguf.gguf.quants.quantize(a, q8), q8)
+                p.copy_(torch.from_numpy(hf_to_gguf.gguf.quants.dequantize(hf_to_gguf.gguf.quants.quantize(a, q), q)
                                          .reshape(a.shape)))
     with jl.Engine(path, devices=["cpu"], kv_dtype="f32") as eng:
         experts = "blk.0.ffn_gate_exps.weight"
-        assert eng.model.fmt(experts, eng.model.weight_shapes(0)[experts][0]).name == "R8"  # interleaved
+        assert eng.model.fmt(experts, eng.model.weight_shapes(0)[experts][0]).name == layout  # interleaved
         ids = (eng.tokenizer.encode(PROMPTS[0]) * 2)[:40]
         got = eng.score(ids)
     with torch.no_grad():
