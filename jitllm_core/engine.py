@@ -383,10 +383,15 @@ class Engine:
 
     def _release(self, seq):
         """Give a sequence's pages back to their pools. Lock held."""
-        for u, pages in seq.pages.items():
-            self.units[u].pool.free([p for p in pages if p is not None])
+        self._cut(seq, 0)
         seq.pages.clear()
         self.sequences.pop(seq.id, None)
+
+    def _cut(self, seq, keep):
+        """Give back a sequence's pages from page `keep` on, in every layer (those a window passed are gone)."""
+        for u, pages in seq.pages.items():
+            self.units[u].pool.free([p for p in pages[keep:] if p is not None])
+            del pages[keep:]
 
     # -- the prompt cache: a finished generation's sequence is parked with its tokens; a later prompt that starts
     # with them resumes it (a chat's next turn, the same prompt again) instead of computing those positions again
@@ -409,10 +414,8 @@ class Engine:
         if best is None:
             return self.new_sequence(), 0
         self.parked.remove(best)
-        seq, keep = best.seq, -(-held // PAGE)
-        for u, pages in seq.pages.items():
-            self.units[u].pool.free([p for p in pages[keep:] if p is not None])
-            del pages[keep:]
+        seq = best.seq
+        self._cut(seq, -(-held // PAGE))
         # a new identity: the page tables uploaded for it, and what a migration under way copied of it, are stale
         self.sequences.pop(seq.id)
         seq.id, seq.n = next(self._seq_ids), held
