@@ -166,7 +166,8 @@ class Migration:
         mapping = self.new_pages.setdefault((sid, unit), {})
         todo = [p for p in src_pages if p not in mapping or p in again]
         for p in todo:
-            mapping[p] = st["pool"].alloc()
+            if p not in mapping:  # a page copied again (the tail, dirty since the pre-copy) goes where it went
+                mapping[p] = st["pool"].alloc()
         page_bytes = eng.model.page_bytes()
         src_kv, moved, i = eng.units[unit].kv, 0, 0
         while i < len(todo):

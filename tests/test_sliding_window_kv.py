@@ -84,6 +84,11 @@ def test_migration_moves_only_the_live_window(models):
                     out.append(s.feed(ids[a:b]))
                     if i < len(moves):
                         reports.append(eng.migrate(*moves[i]))
+                        # every pool holds its layer's live pages and nothing else: no page a window passed came
+                        # along, none copied for nothing stayed taken
+                        for u in range(eng.config.n_layer):
+                            live = sum(p is not None for q in (s, other) for p in q.seq.pages.get(u, []))
+                            assert eng.units[u].pool.used == live, (moves[i], u)
                 out.append(other.feed(ids[60:100]))
             return np.concatenate(out), reports
         base, _ = run([])
