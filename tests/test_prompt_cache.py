@@ -52,11 +52,13 @@ def test_the_same_prompt_again(engines):
     first, again = cached.generate(prompt, max_tokens=12), cached.generate(prompt, max_tokens=12)
     assert first.token_ids == again.token_ids == fresh.generate(prompt, max_tokens=12).token_ids
     assert again.timings["cached_tokens"] == (again.timings["prompt_tokens"] - 1) // cached.model.T * cached.model.T
-    # an early end (a closed stream) parks what it holds too
+    # an early end (a closed stream) parks what it holds too, and is resumed
     stream = cached.generate(prompt + " Briefly.", max_tokens=30, stream=True)
     next(stream)
     stream.close()
-    assert cached.generate(prompt + " Briefly.", max_tokens=5).timings["cached_tokens"] > 0
+    ids = cached.encode(prompt + " Briefly.")
+    assert cached.parked[-1].tokens[:len(ids)] == ids
+    assert cached.generate(ids, max_tokens=5).timings["cached_tokens"] == (len(ids) - 1) // 128 * 128
 
 
 def test_a_full_pool_takes_parked_pages_back(default_model, cpu):
