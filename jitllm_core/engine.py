@@ -2,7 +2,8 @@
 
 Concurrency: one lock guards the step loop. A step holds it; between steps (and while a streaming caller holds
 a token) it is free, so `migrate` from any thread -- including the consumer of a stream -- runs at a step
-boundary.
+boundary. Generations in other threads at once decode together: the decode steps they wait for at the same moment
+run as one batched step (`Engine._decode`), each weight read once for all of them.
 """
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ DEFAULT_CONTEXT = 8192  # KV positions reserved when the caller does not say (mo
 # what the CPU's integer dots see of a matmul input: "f32" its digits as accurate as f32 arithmetic (the default),
 # "int8" one int8 per element, as llama.cpp quantizes activations (faster, logits ~1 off)
 ACTIVATION_DIGITS = {"f32": quant.DIGITS, "int8": quant.INT8}
+# how long a batched decode step waits for the other generations in their decode loop to ask for their next step
+# (a generation samples and hands its token to its reader between steps: well under a millisecond)
+BATCH_WAIT = 0.002
 
 
 @dataclass
@@ -119,6 +123,7 @@ class Segment:
     streamed: object = None   # the streamed unit, or None
     slot: int = 0
     prefill: object = None    # for a step of several tokens
+    batch: object = None      # for a batched decode step: compiled at the first one (`Engine._batch_program`)
 
 
 class UnitState:
@@ -126,9 +131,17 @@ class UnitState:
 
     def __init__(self, unit, device_name, residency="resident"):
         self.unit, self.device, self.residency = unit, device_name, residency
-        self.kv = None          # {"k": Buffer, "v": Buffer, "ptab": Buffer}
+        self.kv = None          # {"k": Buffer, "v": Buffer, "ptab": Buffer, "bptab": Buffer}
         self.pool = None        # PagePool
         self.ptab_for = None    # (sequence id, pages) currently uploaded
+        self.bptab_for = None   # the same of a batched step's sequences (bptab: a page table per token)
+
+
+class _Waiting:
+    """A generation's decode step, waiting to run (`Engine._decode`)."""
+
+    def __init__(self, seq, token):
+        self.seq, self.token, self.logits, self.error = seq, token, None, None
 
 
 class Engine:
@@ -157,6 +170,8 @@ class Engine:
         caps = {self._device_name(k): v for k, v in (mem or {}).items()}
         self.arenas = {n: Arena(d, caps.get(n)) for n, d in self.devices.items()}
         self._lock = threading.Lock()
+        self._waiting, self._decoding = [], 0  # decode steps asked for; generations in their decode loop
+        self._waiting_cv = threading.Condition()
         self._seq_ids = iter(range(1, 1 << 62))
         self.sequences = {}
         self.prompt_cache = prompt_cache
@@ -167,7 +182,7 @@ class Engine:
         self.last = None
         self.plan = None    # the cost model's prediction, when the planner chose the placement
         self.stats = {"steps": 0, "tokens": 0, "bytes_read": {}, "bytes_crossed": {}, "crossings": 0,
-                      "bytes_per_token": 0}
+                      "bytes_per_token": 0, "batched_steps": 0}
         self._streamer = ThreadPoolExecutor(1, thread_name_prefix="jitllm-stream")
         layout = resolve(self, placement, n_device_layers)
         total = len(layout)
@@ -256,7 +271,8 @@ class Engine:
         half = m.kv_bytes(unit) // 2
         kv = {}
         try:
-            for name, size in (("k", half), ("v", half), ("ptab", m.n_pages * 4)):
+            for name, size in (("k", half), ("v", half), ("ptab", m.n_pages * 4),
+                               ("bptab", m.batch * m.n_pages * 4)):
                 kv[name] = arena.alloc(size)
         except Exception:
             self._free_kv(dev_name, kv)
@@ -277,15 +293,16 @@ class Engine:
             st.kv, st.pool = self._alloc_kv(dev_name, unit), self.page_pool(unit)
         self.units[unit] = st
 
-    def _bind(self, unit, dev_name, kv=None, slot=None, prefill=False):
-        """Launches of one unit with its buffer names resolved on dev_name (weights in `slot` when streamed)."""
+    def _bind(self, unit, dev_name, kv=None, slot=None, prefill=False, batch=False):
+        """Launches of one unit with its buffer names resolved on dev_name (weights in `slot` when streamed), for a
+        decode step, a prefill step or a batched decode step (`Llama.unit_launches`)."""
         ds, out = self.dev_state[dev_name], []
         kv = kv or self.units[unit].kv or {}
         weight = (lambda n: ds.weights[n][0]) if slot is None else (lambda n: ds.slots[slot][_role(n)])
         # a device may decline the prefill matmul (Caps.extra["prefill_matmul"]): its prefill then runs the decode one
         prefill = prefill and self.devices[dev_name].caps.extra.get("prefill_matmul", True)
         tile = ops.gemm_tile(self.devices[dev_name].caps.registers)
-        for lt in self.model.unit_launches(unit, prefill, self._interleaves(dev_name), tile):
+        for lt in self.model.unit_launches(unit, prefill, self._interleaves(dev_name), tile, batch):
             bufs = {}
             for param, ref in lt.buffers.items():
                 kind, name = ref.split(":", 1)
@@ -464,19 +481,67 @@ class Engine:
                 self.devices[st.device].upload(st.kv["ptab"], table)
                 st.ptab_for = key
 
-    def _step(self, seq, tokens, t0):
-        """Run tokens at positions seq.n.. through every segment; returns logits rows [t0, n). Lock held."""
+    def _check_step(self, seq, tokens):
+        """Raise what running tokens at positions seq.n.. would fail on. Lock held."""
         if not self.segments:
             raise JitllmError("the engine is closed")
-        n, pos = len(tokens), seq.n
-        if pos + n > self.max_context:
-            raise ContextLimitError(f"context limit reached: {pos + n} positions > max_context {self.max_context}")
+        if seq.n + len(tokens) > self.max_context:
+            raise ContextLimitError(f"context limit reached: {seq.n + len(tokens)} positions > max_context "
+                                    f"{self.max_context}")
         bad = next((t for t in tokens if not 0 <= t < self.config.vocab), None)
         if bad is not None:  # the embedding kernel would read outside its table
             raise JitllmError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab})")
+
+    def _step(self, seq, tokens, t0):
+        """Run tokens at positions seq.n.. through every segment; returns logits rows [t0, n). Lock held."""
+        self._check_step(seq, tokens)
+        n, pos = len(tokens), seq.n
         self._ensure_pages(seq, pos, pos + n)
         self._upload_ptabs(seq)
-        values = {"pos": pos, "n_tokens": n, "t0": t0, **self.model.constants}
+        logits = self._run(tokens, {"pos": pos, "n_tokens": n, "t0": t0},
+                           (lambda seg: seg.prefill) if n > 1 else (lambda seg: seg.program))
+        seq.n += n
+        self._count([(pos, n)])
+        return logits
+
+    def _step_batch(self, seqs, tokens):
+        """One decode step of several sequences, token i at the end of seqs[i] (each checked, its pages there:
+        `_run_waiting`), every weight read once for all; returns their logits rows. Lock held."""
+        for u, st in self.units.items():
+            if st.pool is None:
+                continue
+            key = (tuple((seq.id, len(seq.pages[u])) for seq in seqs), st.kv["bptab"])
+            if st.bptab_for != key:  # each token's row: its sequence's page table (`_upload_ptabs`)
+                table = np.zeros((len(seqs), self.model.n_pages), np.int32)
+                for row, seq in zip(table, seqs):
+                    row[:len(seq.pages[u])] = [0 if p is None else p for p in seq.pages[u]]
+                self.devices[st.device].upload(st.kv["bptab"], table)
+                st.bptab_for = key
+        positions = np.asarray([seq.n for seq in seqs], np.int32)
+        for d in {st.device for st in self.units.values() if st.pool is not None}:
+            self.dev_state[d].dev.upload(self.dev_state[d].acts["tpos"], positions)
+        logits = self._run(tokens, {"pos": 0, "n_tokens": len(tokens), "t0": 0}, self._batch_program)
+        for seq in seqs:
+            seq.n += 1
+        self.stats["batched_steps"] += 1
+        self._count([(int(p), 1) for p in positions])
+        return logits
+
+    def _batch_program(self, seg):
+        """A segment's program for a batched decode step, compiled at the first one (an engine that never runs
+        two generations at once needs none)."""
+        if seg.batch is None:
+            slot = seg.slot if seg.streamed is not None else None
+            seg.batch = self.devices[seg.device].program(
+                [ln for u in seg.units for ln in self._bind(u, seg.device, slot=slot, batch=True)])
+            seg.batch.ready()
+        return seg.batch
+
+    def _run(self, tokens, values, program):
+        """Run a step's tokens through every segment (`program(segment)`, with scalars `values`); returns the
+        logits rows from values["t0"] on."""
+        n, values = len(tokens), {**values, **self.model.constants}
+        t0 = values["t0"]
         first = self.dev_state[self.segments[0].device]
         first.dev.upload(first.acts["tok"], np.asarray(tokens, np.int32))
         streamed = [seg for seg in self.segments if seg.streamed is not None]
@@ -493,15 +558,52 @@ class Engine:
                 after = streamed.index(seg) + 1
                 if after < len(streamed):  # the other slot is free: copy the next unit while this one runs
                     pending[id(streamed[after])] = self._streamer.submit(self._stream_in, streamed[after])
-            (seg.prefill if n > 1 else seg.program).run(values)
+            program(seg).run(values)
             prev = d
         last = self.dev_state[prev]
         rows = n - t0
         V = self.config.vocab
-        logits = last.dev.download(last.acts["logits"], rows * V * 4, t0 * V * 4).view(np.float32).reshape(rows, V)
-        seq.n += n
-        self._count(pos, n)
-        return logits
+        return last.dev.download(last.acts["logits"], rows * V * 4, t0 * V * 4).view(np.float32).reshape(rows, V)
+
+    def _decode(self, seq, token):
+        """The logits of seq's next decode step (token at its end). The decode steps other generations ask for at
+        the same moment join it: whichever thread takes the lock runs those waiting as one batched step."""
+        w = _Waiting(seq, token)
+        with self._waiting_cv:
+            self._waiting.append(w)
+            self._waiting_cv.notify_all()
+        while w.logits is None and w.error is None:
+            with self._lock:
+                if w.logits is None and w.error is None:
+                    self._run_waiting()
+        if w.error is not None:
+            raise w.error
+        return w.logits
+
+    def _run_waiting(self):
+        """Run the first `Llama.batch` decode steps waiting, once every generation in its decode loop has asked for its
+        next (or BATCH_WAIT passed): one step alone as a plain decode step. A step that cannot run (its context
+        full) gets its error; the others run. Lock held."""
+        with self._waiting_cv:
+            self._waiting_cv.wait_for(lambda: len(self._waiting) >= min(self._decoding, self.model.batch), BATCH_WAIT)
+            batch, self._waiting[:self.model.batch] = self._waiting[:self.model.batch], []
+        ready = []
+        for w in batch:
+            try:
+                self._check_step(w.seq, [w.token])
+                self._ensure_pages(w.seq, w.seq.n, w.seq.n + 1)
+                ready.append(w)
+            except JitllmError as e:
+                w.error = e
+        try:
+            if len(ready) == 1:
+                ready[0].logits = self._step(ready[0].seq, [ready[0].token], 0)
+            elif ready:
+                for w, row in zip(ready, self._step_batch([w.seq for w in ready], [w.token for w in ready])):
+                    w.logits = row[None]
+        except Exception as e:  # noqa: BLE001 -- every waiting generation learns why its step failed
+            for w in ready:
+                w.error = e
 
     def _chunks(self, ids):
         """ids in steps of the model's size (STEP_TOKENS when the engine was made)."""
@@ -517,18 +619,19 @@ class Engine:
     def _account(self, table, key, nbytes):
         self.stats[table][key] = self.stats[table].get(key, 0) + nbytes
 
-    def _count(self, pos, n):
+    def _count(self, spans):
         """Bytes each device's memory served this step: every unit's weights (a streamed unit's from its slot,
-        after the copy) and the KV rows attention read."""
+        after the copy) and the KV rows attention read. spans: (first position, tokens) of each sequence the step
+        ran."""
         s = self.stats
         s["steps"] += 1
-        s["tokens"] += n
+        s["tokens"] += sum(n for _, n in spans)
         kv_row = 2 * self.model.page_bytes() // self.model.page  # K and V of one position
         for u, st in self.units.items():
             b = self._step_bytes(u)
             if st.pool is not None:
                 window = self.config.window(u)
-                b += kv_row * (min(pos + n, window + n - 1) if window else pos + n)
+                b += kv_row * sum(min(pos + n, window + n - 1) if window else pos + n for pos, n in spans)
             self._account("bytes_read", st.device, b)
 
     # ------------------------------------------------------------------ public API
@@ -584,7 +687,7 @@ class Engine:
     def _generate(self, ids, max_tokens, sampler, stops, ignore_eos, result, logprobs=None):
         with self._lock:
             seq, cached = self._resume(ids)
-        out, text, emitted, reason, clean = result.token_ids, "", 0, "length", False
+        out, text, emitted, reason, clean, decoding = result.token_ids, "", 0, "length", False, False
         dec = StreamDecoder(self.tokenizer)
         timings = result.timings = {"prompt_tokens": len(ids), "cached_tokens": cached, "prefill_s": 0.0,
                                     "decode_tokens": 0, "decode_s": 0.0}
@@ -621,8 +724,11 @@ class Engine:
                     reason = "context"
                     break
                 t = time.perf_counter()
-                with self._lock:
-                    logits = self._step(seq, [tok], 0)
+                if not decoding:
+                    decoding = True
+                    with self._waiting_cv:
+                        self._decoding += 1
+                logits = self._decode(seq, tok)
                 timings["decode_s"] += time.perf_counter() - t
                 timings["decode_tokens"] += 1
             if reason != "stop":
@@ -632,6 +738,10 @@ class Engine:
             clean = True
             raise
         finally:
+            if decoding:
+                with self._waiting_cv:
+                    self._decoding -= 1
+                    self._waiting_cv.notify_all()
             result.text, result.finish_reason = text, reason
             if clean and self.prompt_cache:
                 self._park(seq, (ids + out)[:seq.n], len(ids) // self.model.T * self.model.T)
@@ -639,7 +749,7 @@ class Engine:
                 self.free_sequence(seq)
 
     def reset_stats(self):
-        self.stats.update(steps=0, tokens=0, bytes_read={}, bytes_crossed={}, crossings=0)
+        self.stats.update(steps=0, tokens=0, bytes_read={}, bytes_crossed={}, crossings=0, batched_steps=0)
 
     def migrate(self, layers, device, wait=True):
         """Move units (layer indices, ranges, 'embed', 'head', or a string like '0-29') to `device` while

@@ -52,6 +52,9 @@ EVERY_TOKEN = {"t0": "zero"}
 # the 1B's 32-token prompt 99.1 -> 103.2 tok/s, 256 tokens unchanged (ab_decode.py, alternated)
 PREFILL_CHUNK_COLS = 8192
 WIDE_THREADS = 1024
+# tokens of a batched decode step (several sequences' tokens, `Engine._decode`) that a matmul multiplies by each
+# weight it loads (`ops.matmul(tokens=...)`)
+BATCH_TOKENS = 4
 
 
 def interleaves(threads: int) -> bool:
@@ -92,6 +95,7 @@ class Llama:
         the whole pool); a sliding-window layer's pool holds `sequences` windows instead (`pool_pages`)."""
         self.mf, self.cfg, self.T = mf, mf.config, T
         self.page, self.n_pages, self.kv_dtype, self.sequences = page, n_pages, kv_dtype, sequences
+        self.batch = min(sequences, T)  # the most sequences a batched decode step takes (`unit_launches`)
         self.positions = page * n_pages  # the longest sequence: its rope table's rows
         self.digits = digits  # of the dot4 layouts' inputs: quant.DIGITS (as accurate as f32) or quant.INT8
         cfg = self.cfg
@@ -113,7 +117,7 @@ class Llama:
         moe = {"router": ("f32", T * c.experts), "sel": ("i32", T * c.experts_used),
                "wt": ("f32", T * c.experts_used), "hq": ("u8", T * c.ffn * self.digits),
                "hd": ("f32", T * c.ffn // 32), "hs": ("f32", T * c.ffn // 16)} if c.experts else {}
-        return {**moe, "tok": ("i32", T), "x": ("f32", T * c.dim), "xn": ("f32", T * c.dim), "q": ("f32", T * q),
+        return {**moe, "tok": ("i32", T), "tpos": ("i32", self.batch), "x": ("f32", T * c.dim), "xn": ("f32", T * c.dim), "q": ("f32", T * q),
                 "k": ("f32", T * kv), "v": ("f32", T * kv), "att": ("f32", T * q), "g": ("f32", T * c.ffn),
                 "u": ("f32", T * c.ffn), "h": ("f32", T * c.ffn), "logits": ("f32", T * c.vocab),
                 # an output before it joins x, normed or scaled
@@ -235,13 +239,14 @@ class Llama:
         return prefill and interleave and rows % ROWS == 0 and not (fmt.digits and self.digits == quant.INT8)
 
     def _mm(self, name, x, y, rows, cols, acc=False, bias=None, logits=False, prefill=False, interleave=True,
-            tile=ops.GEMM_TILE, scalars=EVERY_TOKEN, slot=None, into="x"):
+            tile=ops.GEMM_TILE, scalars=EVERY_TOKEN, slot=None, into="x", batch=False):
         """Matmul launches, for every token (`scalars` EVERY_TOKEN) or from the step's `t0` ({}: where only the
         wanted tokens' outputs are, the LM head's and the last layer's queries and after its attention). Through the
         prefill matmul (`_prefill_matmul`, its register tile `tile`), the weights are dequantized to f32 once
         and reused by every token of the step. slot: a mixture of experts' weights, each token's rows those of the
         expert the router chose for it in that slot (the decode matmul, token by token). into: the dot4 layouts'
-        quantized input's buffers (`_inputs`)."""
+        quantized input's buffers (`_inputs`). batch: a batched decode step's, each weight used for BATCH_TOKENS
+        tokens at a time."""
         c = self.cfg
         fmt = self.fmt(name, (rows * (c.experts if slot is not None else 1), cols), interleave)
         bufs = {"y": f"a:{y}", **({"b": f"w:{bias}"} if bias else {})}
@@ -253,7 +258,8 @@ class Llama:
                                    {**scalars, "slot": f"slot{slot}"})]
         if not self._prefill_matmul(fmt, rows, prefill, interleave):
             # a prefill step's int8 dots (the dot4 layouts') in tiles of tokens (the LM head's one token needs none)
-            tokens = ops.INT8_TOKENS if prefill and fmt.digits and self.digits == quant.INT8 and not logits else 1
+            tokens = ops.INT8_TOKENS if prefill and fmt.digits and self.digits == quant.INT8 and not logits else \
+                BATCH_TOKENS if batch else 1
             return [LaunchTemplate(ops.matmul(fmt, rows, cols, self.T, acc, bias is not None, not interleave,
                                               self.digits, tokens),
                                    {"w": f"w:{name}", "x": f"a:{x}", **bufs, **self._digits(fmt)}, scalars)]
@@ -288,9 +294,11 @@ class Llama:
         return [LaunchTemplate(ops.quantize_input(cols, self.T, self.digits),
                                {"x": f"a:{x}", **self._quantized(into)})]
 
-    def unit_launches(self, unit, prefill=False, interleave=True, tile=ops.GEMM_TILE):
-        """The unit's launches for a decode step, or (prefill=True) for a step of many tokens, in the schedule
-        `interleaves` chooses for the device (and with the prefill matmul's `tile`, `ops.gemm_tile`)."""
+    def unit_launches(self, unit, prefill=False, interleave=True, tile=ops.GEMM_TILE, batch=False):
+        """The unit's launches for a decode step, or (prefill=True) for a step of many tokens, or (batch=True) for
+        a decode step of up to self.batch sequences, a token each (positions and page tables per token: activation
+        tpos, KV buffer bptab), in the schedule `interleaves` chooses for the device (and with the prefill matmul's
+        `tile`, `ops.gemm_tile`)."""
         c, T = self.cfg, self.T
         norm = ops.rmsnorm(c.dim, T, c.eps, not interleave)
         if unit == "embed":
@@ -302,14 +310,15 @@ class Llama:
             return [LaunchTemplate(norm, {"x": "a:x", "w": "w:output_norm.weight", "out": "a:xn"}),
                     *self._inputs("xn", c.dim, unit, [self.head_tensor], interleave=interleave),
                     *self._mm(self.head_tensor, "xn", "logits", c.vocab, c.dim, logits=True, interleave=interleave,
-                              scalars={}),
+                              scalars={}, batch=batch),
                     *([LaunchTemplate(ops.softcap(c.vocab, T, c.final_softcap), {"x": "a:logits"})]
                       if c.final_softcap else [])]
         p, q, kv = f"blk.{unit}.", c.n_head * c.head_dim, c.n_kv * c.head_dim
         b = (lambda n: p + n + ".bias") if c.bias else (lambda n: None)
         cache = dict(page=self.page, n_pages=self.pool_pages(unit), max_pages=self.n_pages, kv_dtype=self.kv_dtype)
-        kvb = {"ptab": "kv:ptab", "kc": "kv:k", "vc": "kv:v"}
-        mm = functools.partial(self._mm, prefill=prefill, interleave=interleave, tile=tile)
+        kvb = {"ptab": "kv:bptab", "tpos": "a:tpos"} if batch else {"ptab": "kv:ptab"}
+        kvb.update(kc="kv:k", vc="kv:v")
+        mm = functools.partial(self._mm, prefill=prefill, interleave=interleave, tile=tile, batch=batch)
         inputs = lambda x, cols, *names, into="x": self._inputs(x, cols, unit, [p + n + ".weight" for n in names],
                                                                 prefill, interleave, into)
         # the last layer's queries and what follows its attention feed only the LM head: from t0 (its keys and
@@ -375,11 +384,14 @@ class Llama:
             *mm(p + "attn_v.weight", src, "v", kv, c.dim, bias=b("attn_v")),
             *qk_norms,
             *([] if unit in c.nope_layers else [  # SmolLM3's layers without rope
-                LaunchTemplate(ops.rope(heads, c.head_dim, T, self.positions), {"q": f"a:{x}", "rot": rot}, scalars)
+                LaunchTemplate(ops.rope(heads, c.head_dim, T, self.positions, self.batch if batch else 0),
+                               {"q": f"a:{x}", "rot": rot, **({"tpos": "a:tpos"} if batch else {})}, scalars)
                 for x, heads, scalars in (("q", c.n_head, only_wanted), ("k", c.n_kv, EVERY_TOKEN))]),
-            LaunchTemplate(ops.kv_store(c.n_kv, c.head_dim, T, **cache), {"k": "a:k", "v": "a:v", **kvb}),
+            LaunchTemplate(ops.kv_store(c.n_kv, c.head_dim, T, **cache, batched=self.batch if batch else 0),
+                           {"k": "a:k", "v": "a:v", **kvb}),
             LaunchTemplate(ops.attention(c.n_head, c.n_kv, c.head_dim, T, **cache, wide=not interleave,
-                                         window=window, scale=c.attn_scale or None, softcap=c.attn_softcap),
+                                         window=window, scale=c.attn_scale or None, softcap=c.attn_softcap,
+                                         batched=self.batch if batch else 0),
                            {"q": "a:q", "s": "a:scores", "out": "a:att", **kvb}, only_wanted),
             *inputs("att", q, "attn_output"),
             *joined("attn_output", "att", c.dim, q),

@@ -117,7 +117,7 @@ def matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=Fal
     The dot4 layouts (`Format.digits`) read the input as `quantize_input(cols, T, digits)` writes it. wide: the
     row's dot in the form for a device of many threads (Format.row_dot). tokens: an interleaved format's tokens
     in tiles of this many, their dots sibling reduces over the row's blocks (one loop: each weight loaded and
-    unpacked once for the tile), the step's last (n_tokens - t0) % tokens one by one. experts: W is that many
+    unpacked once for the tile), the rest in tiles of half as many, and so on to one. experts: W is that many
     matrices of rows x cols one after another, token t's the one sel[t * used + slot] names (`moe_route`'s
     choice; slot a scalar), so each token reads its own rows (no tiles)."""
     k = ir.Kernel(f"matmul_{fmt.name}_{rows}x{cols}_T{T}{'_acc' if accumulate else ''}{'_bias' if bias else ''}"
@@ -155,11 +155,12 @@ def matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=Fal
                 for j, v in enumerate(vs):
                     put(t + j, rg * ROWS + ri, v)
             tiled = t0
-            if tokens > 1:
-                with k.loop("tt", (n - t0) // tokens, "serial") as tt:
+            while tokens > 1:  # tiles of `tokens`, then of half as many ... (a batch of 3: a tile of 2 and one)
+                with k.loop(f"tt{tokens}", (n - tiled) // tokens, "serial") as tt:
                     with k.loop("ri", ROWS, "vector") as ri:
-                        dots(t0 + tt * tokens, ri, tokens)
-                tiled = n - (n - t0) % tokens
+                        dots(tiled + tt * tokens, ri, tokens)
+                tiled = k.let(f"tiled{tokens}", n - (n - tiled) % tokens)
+                tokens //= 2
             with k.loop("t", n - tiled, "serial", start=tiled) as t:
                 with k.loop("ri", ROWS, "vector") as ri:
                     dots(t, ri, 1)
@@ -396,18 +397,36 @@ def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, 
     return k.finish()
 
 
+def _positions(k, max_pages, batched):
+    """(token t's position, entry p of token t's page table, the step's first position or None) as IR: a step of
+    one sequence's tokens, at positions pos, pos + 1, ... with one page table; or a decode step of up to `batched`
+    sequences, a token each, token t at tpos[t] with its sequence's table in row t of ptab (`Engine._decode`).
+    (max_pages 0: no page table.)"""
+    if batched:
+        k.buffer("tpos", "i32", batched)
+        if max_pages:
+            k.buffer("ptab", "i32", batched * max_pages)
+        return (lambda t: k.load("tpos", t)), (lambda t, p: k.load("ptab", t * max_pages + p)), None
+    if max_pages:
+        k.buffer("ptab", "i32", max_pages)
+    pos = k.scalar("pos")
+    return (lambda t: pos + t), (lambda t, p: k.load("ptab", p)), pos
+
+
 @functools.cache
-def rope(n_heads: int, head_dim: int, T: int, positions: int) -> ir.Kernel:
-    """Rotate adjacent pairs (x[2i], x[2i+1]) by (pos + t) * freq[i] (GGUF llama layout), the angle's cosine and
-    sine read from `rot` ([positions, head_dim / 2, 2], `llama.rope_table`): computed once for the engine, not
-    twice a token and pair in every step and layer (1B prefill step's ropes on one thread 4.9 -> 4.1 ms)."""
+def rope(n_heads: int, head_dim: int, T: int, positions: int, batched=0) -> ir.Kernel:
+    """Rotate adjacent pairs (x[2i], x[2i+1]) by (pos + t) * freq[i] (GGUF llama layout; batched: `_positions`),
+    the angle's cosine and sine read from `rot` ([positions, head_dim / 2, 2], `llama.rope_table`): computed once
+    for the engine, not twice a token and pair in every step and layer (1B prefill step's ropes on one thread 4.9
+    -> 4.1 ms)."""
     half = head_dim // 2
-    k = ir.Kernel(f"rope_{n_heads}x{head_dim}_T{T}_p{positions}")
+    k = ir.Kernel(f"rope_{n_heads}x{head_dim}_T{T}_p{positions}{f'_b{batched}' if batched else ''}")
     k.buffer("q", "f32", T * n_heads * head_dim, True), k.buffer("rot", "f32", positions * half * 2)
-    pos, n, t0 = k.scalar("pos"), k.scalar("n_tokens"), k.scalar("t0")
+    position = _positions(k, 0, batched)[0]
+    n, t0 = k.scalar("n_tokens"), k.scalar("t0")
     with k.parallel("ti", (n - t0) * half) as ti:  # tokens from t0, the first whose output is wanted
         t, i = t0 + ti // half, ti % half
-        at = ((pos + t) * half + i) * 2
+        at = (position(t) * half + i) * 2
         c, s = k.let("c", k.load("rot", at)), k.let("s", k.load("rot", at + 1))
         with k.loop("h", n_heads, "serial") as h:
             base = t * (n_heads * head_dim) + h * head_dim + 2 * i
@@ -431,25 +450,37 @@ def _k_index(pg, slot, kvh, d, n_kv, head_dim, page):
 
 
 @functools.cache
-def kv_store(n_kv: int, head_dim: int, T: int, page: int, n_pages: int, max_pages: int, kv_dtype: str) -> ir.Kernel:
-    k = ir.Kernel(f"kvstore_{n_kv}x{head_dim}_T{T}_p{page}x{n_pages}_{kv_dtype}")
+def kv_store(n_kv: int, head_dim: int, T: int, page: int, n_pages: int, max_pages: int, kv_dtype: str,
+             batched=0) -> ir.Kernel:
+    """The step's keys and values into their pages of the pool (batched: a token of its own sequence each,
+    `_positions`)."""
+    k = ir.Kernel(f"kvstore_{n_kv}x{head_dim}_T{T}_p{page}x{n_pages}_{kv_dtype}{f'_b{batched}' if batched else ''}")
     width = n_kv * head_dim
-    k.buffer("k", "f32", T * width), k.buffer("v", "f32", T * width), k.buffer("ptab", "i32", max_pages)
+    k.buffer("k", "f32", T * width), k.buffer("v", "f32", T * width)
+    position, ptab, pos = _positions(k, max_pages, batched)
     k.buffer("kc", kv_dtype, n_pages * page * width, True), k.buffer("vc", kv_dtype, n_pages * page * width, True)
-    pos, n = k.scalar("pos"), k.scalar("n_tokens")
+    n = k.scalar("n_tokens")
+
+    def store(at, pg, h, src):  # position at's values of KV head h, from src on, into page pg
+        with k.loop("d", head_dim, "vector") as d:
+            k.store("kc", _k_index(pg, at % page, h, d, n_kv, head_dim, page), k.load("k", src + d))
+            k.store("vc", _v_index(pg, at % page, h, n_kv, head_dim, page) + d, k.load("v", src + d))
+    if batched:  # pages of different sequences: an iteration per (token, KV head)
+        with k.parallel("th", n * n_kv) as th:
+            t, h = th // n_kv, th % n_kv
+            at = k.let("at", position(t))
+            store(at, k.let("pg", ptab(t, at // page)), h, t * width + h * head_dim)
+        return k.finish()
     # an iteration per (page, KV head), its positions in turn: a transposed K page interleaves its positions'
     # values in each cache line, which threads storing a position each would pass back and forth (a 1B prefill
     # step's stores on two threads: 2.9 ms against 0.5 on one)
     first = pos // page
     with k.parallel("ph", ((pos + n - 1) // page - first + 1) * n_kv) as ph:
         p, h = first + ph // n_kv, ph % n_kv
-        pg = k.let("pg", k.load("ptab", p))
+        pg = k.let("pg", ptab(0, p))
         start = k.let("start", ir.vmax(pos, p * page))
         with k.loop("at", ir.vmin(pos + n, p * page + page) - start, "serial", start=start) as at:
-            with k.loop("d", head_dim, "vector") as d:
-                src = (at - pos) * width + h * head_dim + d
-                k.store("kc", _k_index(pg, at % page, h, d, n_kv, head_dim, page), k.load("k", src))
-                k.store("vc", _v_index(pg, at % page, h, n_kv, head_dim, page) + d, k.load("v", src))
+            store(at, pg, h, (at - pos) * width + h * head_dim)
     return k.finish()
 
 
@@ -474,7 +505,7 @@ SCORE_CHAINS = 8  # multiply-add chains of the scores of a KV head's group of he
 
 @functools.cache
 def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages: int, max_pages: int,
-              kv_dtype: str, wide=False, window=0, scale=None, softcap=0.0) -> ir.Kernel:
+              kv_dtype: str, wide=False, window=0, scale=None, softcap=0.0, batched=0) -> ir.Kernel:
     """Causal attention of each new token over the layer's paged KV cache (K pages transposed, `_k_index`):
     scores for every position into a scratch row, softmax over the row (vectorizable), then the weighted sum of
     values. Page by page (a page's positions a vector of lanes), the heads that share a KV head in one parallel
@@ -483,28 +514,30 @@ def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages:
     once and each value dimension over all of them. window: a sliding window's width (0: none) -- a token at
     position q sees the keys of (q - window, q], from their first page on, the positions before them in that
     page scored out. scale: of the scores (None: 1 / sqrt(head_dim)); softcap: scores -> softcap * tanh(scores /
-    softcap) (Gemma 2's; 0: none)."""
+    softcap) (Gemma 2's; 0: none). batched: a token of its own sequence each (`_positions`)."""
     k = ir.Kernel(f"attn_{n_head}_{n_kv}x{head_dim}_T{T}_p{page}x{n_pages}_{kv_dtype}{'_wide' if wide else ''}"
                   f"{f'_w{window}' if window else ''}{f'_s{scale:g}' if scale else ''}"
-                  f"{f'_cap{softcap:g}' if softcap else ''}")
+                  f"{f'_cap{softcap:g}' if softcap else ''}{f'_b{batched}' if batched else ''}")
     qw, kw, ctx = n_head * head_dim, n_kv * head_dim, max_pages * page
-    k.buffer("q", "f32", T * qw), k.buffer("ptab", "i32", max_pages)
+    k.buffer("q", "f32", T * qw)
+    position, ptab, _ = _positions(k, max_pages, batched)
     k.buffer("kc", kv_dtype, n_pages * page * kw), k.buffer("vc", kv_dtype, n_pages * page * kw)
     k.buffer("s", "f32", T * n_head * ctx, True), k.buffer("out", "f32", T * qw, True)
-    pos, n, t0 = k.scalar("pos"), k.scalar("n_tokens"), k.scalar("t0")  # queries from t0, the first wanted
+    n, t0 = k.scalar("n_tokens"), k.scalar("t0")  # queries from t0, the first wanted
     scale = scale or 1.0 / math.sqrt(head_dim)
     group = n_head // n_kv
     if wide:
         with k.parallel("th", (n - t0) * n_head) as th:
             t, h = t0 + th // n_head, th % n_head
-            qo, so, keys = t * qw + h * head_dim, (t * n_head + h) * ctx, pos + t + 1
+            qo, so = t * qw + h * head_dim, (t * n_head + h) * ctx
+            keys = k.let("keys", position(t) + 1) if batched else position(t) + 1
             first = k.let("first", ir.vmax(keys - window, 0)) if window else 0  # the first key it sees
             with k.loop("j", keys - first if window else keys, "vector", start=first) as j:
-                key = _k_index(k.load("ptab", j // page), j % page, h // group, 0, n_kv, head_dim, page)
+                key = _k_index(ptab(t, j // page), j % page, h // group, 0, n_kv, head_dim, page)
                 k.store("s", so + j, _scores(k, [qo], key, page, head_dim, scale, 4, softcap)[0])
             inv = _softmax(k, so, keys, first=first)
             value = lambda j: k.load("s", so + j) * k.load(
-                "vc", _v_index(k.load("ptab", j // page), j % page, h // group, n_kv, head_dim, page) + d)
+                "vc", _v_index(ptab(t, j // page), j % page, h // group, n_kv, head_dim, page) + d)
             with k.loop("d", head_dim, "vector") as d:
                 sum_v = ir.reduce("add", "j", keys - first, lambda j: value(first + j)) if window else \
                     ir.reduce("add", "j", keys, value)
@@ -512,19 +545,27 @@ def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages:
         return k.finish()
     with k.parallel("tk", (n - t0) * n_kv) as tk:
         t, kvh = k.let("t", t0 + tk // n_kv), tk % n_kv
-        keys, pages = pos + t + 1, (pos + t + page) // page
+        if batched:
+            at = k.let("at", position(t))
+            keys, pages = at + 1, (at + page) // page
+        else:
+            keys, pages = position(t) + 1, (position(t) + page) // page
         first = k.let("first", ir.vmax(keys - window, 0)) if window else 0  # the first key it sees ...
         p0 = k.let("p0", first // page) if window else 0  # ... on its page: the pages before are not read
         # where each head's q and scores start
         heads = [(t * qw + (kvh * group + i) * head_dim, (t * n_head + kvh * group + i) * ctx) for i in range(group)]
 
         def prefetch(p, rows):  # the step's first query: its pages come from memory; the later ones' from cache
+            ahead = lambda: rows(k.let(f"ahead_{p.name}", ptab(t, ir.vmin(p + KV_AHEAD, pages - 1))))
+            if batched:  # every query its own sequence's pages
+                ahead()
+                return
             with k.if_(t == t0):
-                rows(k.let(f"ahead_{p.name}", k.load("ptab", ir.vmin(p + KV_AHEAD, pages - 1))))
+                ahead()
         # scores, a lane per position: each dimension's keys one vector, each head's q a broadcast; positions past
         # the last key too (the softmax selects them out)
         with k.loop("p", pages - p0 if window else pages, start=p0) as p:
-            pg = k.let("pg", k.load("ptab", p))
+            pg = k.let("pg", ptab(t, p))
             prefetch(p, lambda pg: k.prefetch("kc", _k_index(pg, 0, kvh, 0, n_kv, head_dim, page), head_dim * page,
                                               near=False))
             with k.loop("slot", page, "vector") as slot:
@@ -541,7 +582,7 @@ def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages:
                 k.store("out", qo + d, 0.0)
         # values page by page, a lane per dimension: a page's weighted sums in registers, added to out once
         def values(p, last):
-            pg = k.let(f"pg{'_last' if last else ''}", k.load("ptab", p))
+            pg = k.let(f"pg{'_last' if last else ''}", ptab(t, p))
             with k.loop("d", head_dim, "vector") as d:
                 v = lambda slot: k.load("vc", _v_index(pg, slot, kvh, n_kv, head_dim, page) + d)
                 if last:  # slots past the last key hold whatever the pool held (NaN times zero is NaN): selected out
