@@ -87,18 +87,13 @@ def test_batched_steps_against_transformers(hf_models, variant):
         assert want.std() > 0.05 and np.abs(got - want).max() <= 1e-3
 
 
-def generate_at_once(eng, prompts, **kw):
-    """Each prompt's generation in a thread of its own, all at once; their Results in order."""
-    out = [None] * len(prompts)
-
-    def run(i):
-        out[i] = eng.generate(prompts[i], **kw)
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+def at_once(work, n):
+    """work(i) for i < n, each in a thread of its own, all at once."""
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return out
 
 
 GENERATIONS = ["The capital of France is", "Once upon a time, there was a", "def fibonacci(n):",
@@ -116,11 +111,7 @@ def test_generations_at_once_are_the_generations_alone(default_model):
 
         def run(i):
             out[i] = eng.generate(GENERATIONS[i], **kws[i]).token_ids
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(5)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        at_once(run, 5)
         assert out == alone
         decode_steps = sum(len(a) - 1 for a in alone)
         assert eng.stats["tokens"] == sum(len(eng.encode(p)) for p in GENERATIONS) + decode_steps
@@ -144,11 +135,7 @@ def test_batched_generations_through_streamed_layers_and_migration(default_model
                 out[i].append(ev.token_id)
                 if i == 0 and len(out[0]) in (5, 17):  # moves while the others decode
                     reports.append(eng.migrate("8-19" if len(out[0]) == 5 else "0-29,head", "cpu:0"))
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        at_once(run, 3)
         assert out == alone
         assert all(r.ok for r in reports) and len(reports) == 2 and eng.stats["batched_steps"] > 0
 
