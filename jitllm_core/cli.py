@@ -95,9 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_devices)
 
     p = sub.add_parser("bench", parents=[engine], help="prompt and decode tokens/s, beside llama.cpp if installed; "
-                       "`bench migrate`: pause time of live migration")
-    p.add_argument("what", nargs="?", choices=("speed", "migrate"), default="speed",
-                   help="speed (default): prompt and decode tokens/s; migrate: move all layers between devices")
+                       "`bench batch`: several generations at once; `bench migrate`: pause time of live migration")
+    p.add_argument("what", nargs="?", choices=("speed", "batch", "migrate"), default="speed",
+                   help="speed (default): prompt and decode tokens/s; batch: decode tokens/s of --sequences "
+                        "generations at once; migrate: move all layers between devices")
+    p.add_argument("--sequences", type=int, nargs="+", default=[1, 2, 4], metavar="N",
+                   help="bench batch: generations at once (default 1 2 4)")
     p.add_argument("--profile", action="store_true",
                    help="also print time, bytes and GB/s per kernel of one decode and one prefill step")
     p.add_argument("--history", type=int, nargs="+", default=[256, 1800, 7000], metavar="N",
@@ -397,6 +400,12 @@ def cmd_bench(args) -> int:
     if args.what == "migrate":
         from .bench_migrate import run
         run(model=args.model, histories=args.history)
+        return 0
+    if args.what == "batch":
+        from .bench_batch import run
+        run(model=args.model, devices=args.device, kv_dtype=args.kv_dtype, threads=args.threads,
+            sequences=args.sequences, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
+            repeats=args.repeats, llama_cpp=args.llama_cpp, activations=args.activations)
         return 0
     from .bench import run_bench
 

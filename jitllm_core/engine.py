@@ -143,6 +143,10 @@ class _Waiting:
     def __init__(self, seq, token):
         self.seq, self.token, self.logits, self.error = seq, token, None, None
 
+    @property
+    def done(self):
+        return self.logits is not None or self.error is not None
+
 
 class Engine:
     def __init__(self, model=None, devices=None, placement="auto", threads=None, kv_dtype="f16",
@@ -170,7 +174,8 @@ class Engine:
         caps = {self._device_name(k): v for k, v in (mem or {}).items()}
         self.arenas = {n: Arena(d, caps.get(n)) for n, d in self.devices.items()}
         self._lock = threading.Lock()
-        self._waiting, self._decoding = [], 0  # decode steps asked for; generations in their decode loop
+        # decode steps asked for; generations in their decode loop; whether a thread runs those waiting
+        self._waiting, self._decoding, self._leading = [], 0, False
         self._waiting_cv = threading.Condition()
         self._seq_ids = iter(range(1, 1 << 62))
         self.sequences = {}
@@ -567,15 +572,25 @@ class Engine:
 
     def _decode(self, seq, token):
         """The logits of seq's next decode step (token at its end). The decode steps other generations ask for at
-        the same moment join it: whichever thread takes the lock runs those waiting as one batched step."""
-        w = _Waiting(seq, token)
-        with self._waiting_cv:
+        the same moment join it: one thread at a time leads, running those waiting as one batched step, while the
+        others wait for their logits (not for the engine's lock, which the leader may take again at once)."""
+        w, cv = _Waiting(seq, token), self._waiting_cv
+        with cv:
             self._waiting.append(w)
-            self._waiting_cv.notify_all()
-        while w.logits is None and w.error is None:
-            with self._lock:
-                if w.logits is None and w.error is None:
+            cv.notify_all()
+        while True:
+            with cv:
+                cv.wait_for(lambda: w.done or not self._leading)
+                if w.done:
+                    break
+                self._leading = True
+            try:
+                with self._lock:
                     self._run_waiting()
+            finally:
+                with cv:
+                    self._leading = False
+                    cv.notify_all()
         if w.error is not None:
             raise w.error
         return w.logits
