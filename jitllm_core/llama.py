@@ -53,8 +53,10 @@ EVERY_TOKEN = {"t0": "zero"}
 PREFILL_CHUNK_COLS = 8192
 WIDE_THREADS = 1024
 # tokens of a batched decode step (several sequences' tokens, `Engine._decode`) that a matmul multiplies by each
-# weight it loads (`ops.matmul(tokens=...)`)
-BATCH_TOKENS = 4
+# weight it loads (`ops.matmul(tokens=...)`). The step is bound by the dots, not by unpacking weights: the 1B
+# shape's step of 4 sequences on one thread 58.9 / 59.1 / 59.9 ms in tiles of 2 / 4 / 8, on two 33.1-33.7 / 35.0-35.9
+# (of 8 sequences 59.3-62.6 / 65.5-69.5); its step of one, 24 ms
+BATCH_TOKENS = 2
 
 
 def interleaves(threads: int) -> bool:
