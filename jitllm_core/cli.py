@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free one)")
     p.add_argument("--max-sequences", type=int, default=4, metavar="N",
-                   help="requests whose sliding windows the KV cache holds at once (default 4)")
+                   help="requests decoded in one batched step, and whose sliding windows the KV cache holds at once "
+                        "(default 4)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("devices", help="backends and devices found, with the reason for any that is missing")
