@@ -57,12 +57,14 @@ def run(model=None, devices=None, kv_dtype="f16", threads=(1, 2), sequences=(1, 
             ids = prompt_ids(eng.tokenizer, prompt_tokens)
             peer = open_llama_cpp(eng.model_path, n_threads, prompt_tokens + decode_tokens + 16) if llama_cpp else None
             llama_cpp = peer is not None  # say why only once
-            runs = {n: [] for n in sequences}
+            runs, batched = {n: [] for n in sequences}, dict.fromkeys(sequences, 0)
             for r in range(repeats + 1):  # round 0 warms up
                 for n in sequences:
+                    eng.reset_stats()
                     tok_s = decode_at_once(eng, ids, n, decode_tokens)
                     if r:
                         runs[n].append(tok_s)
+                        batched[n] += eng.stats["batched_steps"]
             peer_tok_s = statistics.median(peer.once(ids, decode_tokens)[1] for _ in range(repeats)) if peer else None
         finally:
             eng.close()
@@ -71,7 +73,8 @@ def run(model=None, devices=None, kv_dtype="f16", threads=(1, 2), sequences=(1, 
         one = statistics.median(runs[min(sequences)]) / min(sequences)
         for n in sequences:
             tok_s = statistics.median(runs[n])
-            results.append({"threads": n_threads, "sequences": n, "decode_tok_s": tok_s, "llama_cpp_tok_s": peer_tok_s})
+            results.append({"threads": n_threads, "sequences": n, "decode_tok_s": tok_s, "llama_cpp_tok_s": peer_tok_s,
+                            "batched_steps": batched[n]})
             rows.append([n_threads, n, f"{tok_s:.1f}", f"{tok_s / n:.1f}", f"{tok_s / one:.2f}x",
                          f"{peer_tok_s:.1f}" if peer_tok_s else "-", f"{tok_s / peer_tok_s:.2f}x" if peer_tok_s else "-"])
     print(f"model: {eng.model_path}\n{prompt_tokens}-token prompt, {decode_tokens} decode steps per generation; "

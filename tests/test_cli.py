@@ -216,3 +216,18 @@ def test_bench_peer_decodes_greedily_past_its_batch(default_model, cpu):
     finally:
         peer.close()
     assert tokens == eng.generate(ids, max_tokens=6, temperature=0.0, ignore_eos=True).token_ids
+
+
+def test_bench_batch_decodes_several_generations_at_once(cpu, capsys):
+    """`jitllm bench batch`: a row per count of sequences, every sequence's decode steps counted, and the engine's
+    batched steps behind the rows of more than one."""
+    bench_batch = pytest.importorskip("jitllm_core.bench_batch")
+    results = bench_batch.run(threads=[1], sequences=[1, 3], prompt_tokens=8, decode_tokens=6, repeats=1,
+                              llama_cpp=False)
+    out = capsys.readouterr().out
+    assert re.search(r"threads\s+sequences\s+decode tok/s\s+per sequence\s+x one", out)
+    assert [(r["sequences"], r["decode_tok_s"] > 0) for r in results] == [(1, True), (3, True)]
+    assert results[0]["batched_steps"] == 0 and results[1]["batched_steps"] > 0
+    assert re.search(r"^\s+1\s+3\s+[\d.]+\s+[\d.]+\s+[\d.]+x\s+-\s+-$", out, re.M)
+    with pytest.raises(Exception, match="--sequences"):
+        bench_batch.run(sequences=[0], llama_cpp=False)
