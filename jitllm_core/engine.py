@@ -388,9 +388,10 @@ class Engine:
     def _interleaves(self, dev_name):
         return interleaves(self.devices[dev_name].caps.threads)
 
-    def _step_bytes(self, unit):
-        """The unit's weight bytes a decode step reads, in the layout of the device it is on (`Llama.step_bytes`)."""
-        return self.model.step_bytes(unit, self._interleaves(self.units[unit].device))
+    def _step_bytes(self, unit, tokens=1):
+        """The unit's weight bytes a decode step (of `tokens` sequences) reads, in the layout of the device it is
+        on (`Llama.step_bytes`)."""
+        return self.model.step_bytes(unit, self._interleaves(self.units[unit].device), tokens)
 
 
     # ------------------------------------------------------------------ sequences and steps
@@ -643,7 +644,7 @@ class Engine:
         s["tokens"] += sum(n for _, n in spans)
         kv_row = 2 * self.model.page_bytes() // self.model.page  # K and V of one position
         for u, st in self.units.items():
-            b = self._step_bytes(u)
+            b = self._step_bytes(u, len(spans))
             if st.pool is not None:
                 window = self.config.window(u)
                 b += kv_row * sum(min(pos + n, window + n - 1) if window else pos + n for pos, n in spans)

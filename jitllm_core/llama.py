@@ -216,10 +216,12 @@ class Llama:
         return sum(self.tensor_bytes(t, unit, interleave) for t in self.weight_shapes(unit))
 
     @functools.lru_cache(maxsize=None)  # read at every step (the engine's counters)
-    def step_bytes(self, unit, interleave=True):
-        """The weight bytes a decode step reads of a unit: a mixture's experts, the share its tokens use."""
+    def step_bytes(self, unit, interleave=True, tokens=1):
+        """The weight bytes a decode step of `tokens` sequences (a batched one: `Engine._step_batch`) reads of a
+        unit: a mixture's experts, the share its tokens use -- a batch's the most they can (tokens that share an
+        expert read it once: the figure is then above what was read; the router's choice stays on the device)."""
         c = self.cfg
-        share = lambda t: c.experts_used / c.experts if experts_tensor(t) else 1
+        share = lambda t: min(1, tokens * c.experts_used / c.experts) if experts_tensor(t) else 1
         return round(sum(self.tensor_bytes(t, unit, interleave) * share(t) for t in self.weight_shapes(unit)))
 
     def _file_format(self, name, shape):

@@ -80,6 +80,9 @@ def test_batched_steps_against_transformers(hf_models, variant):
         text = eng.tokenizer.encode(" ".join(PROMPTS))
         prompts = [text[i:i + n] for i, n in zip((0, 3, 9, 1), PROMPT_LENS)]
         batched, alone = batched_against_alone(eng, prompts)
+        # the bytes counted: a mixture's batch of 4 tokens, 2 of 8 experts each, may read every expert
+        layer = eng.model.step_bytes(0, tokens=4)
+        assert layer == eng.model.unit_bytes(0) and (layer > eng.model.step_bytes(0)) == bool(eng.config.experts)
     assert np.abs(batched - alone).max() <= 1e-5 * np.abs(alone).max()
     for p, got in zip(prompts, batched):
         with torch.no_grad():
