@@ -13,20 +13,25 @@ from .errors import ModelFileError
 
 
 GGUF_ARCHS = ("llama", "smollm3", "granite", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2", "qwen3moe",
-              "olmoe")
+              "olmoe", "granitemoe")
 # GGUF architectures whose query and key rows rotate halves (`_rope_pairs`)
 HALVES_ARCHS = ("qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2", "qwen3moe", "olmoe")
 HF_TYPES = ("llama", "smollm3", "granite", "qwen2", "qwen3", "mistral", "phi3", "gemma2",  # config.json model_type
-            "gemma3_text", "olmo2", "olmo3", "mixtral", "qwen3_moe", "olmoe")
+            "gemma3_text", "olmo2", "olmo3", "mixtral", "qwen3_moe", "olmoe", "granitemoe")
 # query and key norms by GGUF architecture or config.json model_type: each head's, or the whole vector's
 QK_NORMS = {"qwen3": "head", "qwen3moe": "head", "qwen3_moe": "head", "olmoe": "whole"}
 # architectures with a mixture of experts -> whether the chosen experts' weights are divided by their sum, as
 # llama.cpp computes a GGUF file (Mixtral's are llama files with experts); config.json's norm_topk_prob says
-MOE_GGUF = {"llama": True, "qwen3moe": True, "olmoe": False}
+MOE_GGUF = {"llama": True, "qwen3moe": True, "olmoe": False, "granitemoe": True}
 # config.json's -> (its router, an expert's prefix, the expert's gate, up and down projections), under model.layers.i
 MOE_HF = {"mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts.{e}.", ("w1", "w3", "w2")),
           "qwen3_moe": ("mlp.gate", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj")),
           "olmoe": ("mlp.gate", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj"))}
+# config.json's whose experts are stacked in the file -> (its router; the experts' gate and up projections, each
+# expert's gate rows then its up rows, [experts, 2 x ffn, dim]; their down projections, [experts, dim, ffn])
+MOE_HF_STACKED = {"granitemoe": ("block_sparse_moe.router.layer", "block_sparse_moe.input_linear",
+                                 "block_sparse_moe.output_linear")}
+GRANITES = ("granite", "granitemoe")  # Granite's multipliers: its dense files and its mixtures of experts
 MOE_COUNT = ("num_local_experts", "num_experts")  # config.json's key of the experts' count (either, by version)
 EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # a mixture's tensors: its experts' matrices stacked
 # OLMo 3's layers that see every key, one in this many, where a GGUF file (llama.cpp's olmo2) has a window
@@ -339,7 +344,7 @@ def gguf_features(cfg, arch, get, where):
         cfg.full_layers = every_kth(cfg.n_layer, GEMMA_FULL_EVERY[arch])
     if arch == "smollm3":
         cfg.nope_layers = every_kth(cfg.n_layer, NOPE_EVERY)
-    if arch == "granite":
+    if arch in GRANITES:
         granite(cfg, *(get(key, float, default) for key, default in GRANITE_GGUF))
 
 
@@ -348,7 +353,7 @@ def hf_features(cfg, c, get, where):
     checked."""
     kind = c["model_type"]
     cfg.bias, cfg.qk_norm = kind == "qwen2", QK_NORMS.get(kind, "")
-    if kind in MOE_HF:
+    if kind in MOE_HF or kind in MOE_HF_STACKED:
         if kind == "qwen3_moe":  # its experts' width; dense layers among sparse ones are not computed
             cfg.ffn = get("moe_intermediate_size", int)
             if get("decoder_sparse_step", int, 1) != 1 or c.get("mlp_only_layers"):
@@ -356,7 +361,8 @@ def hf_features(cfg, c, get, where):
                                             "experts' are not supported")
         if c.get("clip_qkv"):
             raise ModelFileError(where, f"clip_qkv is {c['clip_qkv']!r}; clipped q/k/v are not supported")
-        normalize = kind == "mixtral" or bool(c.get("norm_topk_prob", False))
+        # Mixtral's and Granite's weights: a softmax over the chosen experts' logits
+        normalize = kind in ("mixtral", "granitemoe") or bool(c.get("norm_topk_prob", False))
         count = next((key for key in MOE_COUNT if c.get(key) is not None), MOE_COUNT[0])
         moe(cfg, get(count, int), get("num_experts_per_tok", int), normalize, where, "num_experts_per_tok")
     cfg.rope_dim = hf_rope_dim(where, c, cfg.head_dim)
@@ -367,7 +373,7 @@ def hf_features(cfg, c, get, where):
             cfg.local_rope_base = hf_local_rope_base(where, c) or cfg.rope_base
     if kind == "smollm3":
         cfg.nope_layers = nope_layers(where, c, cfg.n_layer)
-    if kind == "granite":
+    if kind in GRANITES:
         granite(cfg, *(get(key, float, default) for key, default in GRANITE_HF))
     if kind.startswith("gemma"):
         gemma(cfg, kind, *(get(key, float, 0.0) for key in GEMMA_CAPS),

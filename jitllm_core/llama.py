@@ -377,7 +377,7 @@ class Llama:
                         LaunchTemplate(act(c.ffn, T), {"g": "a:g", "u": "a:u", "h": "a:h"}, only_wanted),
                         *inputs("h", c.ffn, "ffn_down_exps", into="h"),
                         *expert(p + "ffn_down_exps.weight", "h", "y", c.dim, c.ffn, into="h"),
-                        LaunchTemplate(ops.add(c.dim, T, used=c.experts_used),
+                        LaunchTemplate(ops.add(c.dim, T, c.residual_scale, used=c.experts_used),
                                        {"y": "a:y", "wt": "a:wt", "x": "a:x"}, {**only_wanted, "slot": f"slot{j}"})]
             return out
         return [

@@ -264,7 +264,8 @@ class ModelFile(_Tensors):
                 if gemma and gguf_name.endswith("norm.weight"):  # Gemma's norms scale by 1 + w; GGUF files hold 1 + w
                     raw = lambda t=t: (_as_f32(st.raw(t.name), t.type_name, hf_name) + 1).view(np.uint8)
                     kind = "F32"
-                self.tensors[gguf_name] = Tensor(gguf_name, t.shape, kind, raw)
+                shape = (t.shape[0] * t.shape[1], *t.shape[2:]) if archs.experts_tensor(gguf_name) else t.shape
+                self.tensors[gguf_name] = Tensor(gguf_name, shape, kind, raw)
         add("token_embd.weight", "model.embed_tokens.weight")
         add("output_norm.weight", "model.norm.weight")
         add("output.weight", "lm_head.weight")
@@ -276,7 +277,18 @@ class ModelFile(_Tensors):
                 add(f"blk.{i}.{g}.weight", f"model.layers.{i}.{h}.weight")
                 if cfg.bias and g in ("attn_q", "attn_k", "attn_v"):
                     add(f"blk.{i}.{g}.bias", f"model.layers.{i}.{h}.bias")
-            if cfg.experts:
+            if c["model_type"] in archs.MOE_HF_STACKED:
+                router, gate_up, down = archs.MOE_HF_STACKED[c["model_type"]]
+                add(f"blk.{i}.ffn_gate_inp.weight", f"model.layers.{i}.{router}.weight")
+                add(f"blk.{i}.ffn_down_exps.weight", f"model.layers.{i}.{down}.weight")
+                t = st.tensors.get(f"model.layers.{i}.{gate_up}.weight")
+                if t is not None:
+                    used.add(t.name)
+                    for j, g in enumerate(("ffn_gate_exps", "ffn_up_exps")):
+                        self.tensors[f"blk.{i}.{g}.weight"] = _expert_rows(
+                            Tensor(t.name, t.shape, t.type_name, lambda n=t.name: st.raw(n)), f"blk.{i}.{g}.weight",
+                            j, where)
+            elif cfg.experts:
                 router, expert, parts = archs.MOE_HF[c["model_type"]]
                 add(f"blk.{i}.ffn_gate_inp.weight", f"model.layers.{i}.{router}.weight")
                 for g, part in zip(archs.EXPERTS, parts):
@@ -332,6 +344,18 @@ def _rows(t, name, start, rows):
         per = len(data) // t.shape[0]
         return data[start * per:(start + rows) * per]
     return Tensor(name, (rows, *t.shape[1:]), t.type_name, raw)
+
+
+def _expert_rows(t, name, half, where):
+    """Half `half` (0 or 1) of each expert's rows of a stacked [experts, 2 x rows, cols] tensor (Granite's gate
+    and up projections in one), the experts' halves one after another as one tensor."""
+    if len(t.shape) != 3 or t.shape[1] % 2:
+        raise ModelFileError(where, f"tensor {t.name!r} is {tuple(t.shape)}; [experts, 2 x ffn, dim] is needed")
+    experts, rows = t.shape[0], t.shape[1] // 2
+
+    def raw():
+        return t.raw().reshape(experts, 2, -1)[:, half].reshape(-1)
+    return Tensor(name, (experts * rows, t.shape[2]), t.type_name, raw)
 
 
 def _stacked(name, parts, where):

@@ -670,9 +670,9 @@ def gelu_mul(dim: int, T: int) -> ir.Kernel:
 
 @functools.cache
 def add(dim: int, T: int, scale=1.0, used=0) -> ir.Kernel:
-    """x += y for the tokens from t0, times scale, or where used times wt[t * used + slot] (slot a scalar): a
+    """x += y for the tokens from t0, times scale, and where used times wt[t * used + slot] (slot a scalar): a
     block's output joining the residual, normed (Gemma's sandwich norms), scaled (Granite's residual multiplier)
-    or weighted (an expert's, by the router's weight for the token: `moe_route`)."""
+    and/or weighted (an expert's, by the router's weight for the token: `moe_route`)."""
     k = ir.Kernel(f"add_{dim}_T{T}{f'_x{scale:g}' if scale != 1.0 else ''}{f'_u{used}' if used else ''}")
     k.buffer("y", "f32", T * dim)
     if used:
@@ -680,7 +680,11 @@ def add(dim: int, T: int, scale=1.0, used=0) -> ir.Kernel:
     k.buffer("x", "f32", T * dim, True)
     n, t0 = k.scalar("n_tokens"), k.scalar("t0")
     with k.parallel("j", n - t0) as j:
-        w = k.let("w", k.load("wt", (t0 + j) * used + k.scalar("slot"))) if used else scale
+        if used:
+            w = k.load("wt", (t0 + j) * used + k.scalar("slot"))
+            w = k.let("w", w * scale if scale != 1.0 else w)
+        else:
+            w = scale
         with k.loop("i", dim, "vector") as i:
             at = (t0 + j) * dim + i
             k.store("x", at, k.load("x", at) + (k.load("y", at) * w if used or scale != 1.0 else k.load("y", at)))

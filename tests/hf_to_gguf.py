@@ -27,8 +27,8 @@ GEMMA_NAMES = {**NAMES, "post_attention_layernorm": "post_attention_norm", "pre_
 
 # a mixture of experts' (transformers 5 holds them fused: [experts, gate's rows then up's, cols] and [experts,
 # rows, cols] of the down projections): as llama.cpp's converter stacks them
-EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
-ROUTER = re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.weight")
+EXPERTS = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)")
+ROUTER = re.compile(r"model\.layers\.(\d+)\.(?:mlp\.gate|block_sparse_moe\.router)\.weight")
 
 
 def _gguf_name(hf, names=NAMES):
@@ -64,15 +64,15 @@ def write(model, arch, path, tokenizer_gguf, matrix_type="Q8_0"):
         w.add_sliding_window(c.sliding_window)
     if "sliding_attention" in c.rope_parameters:  # Gemma 3's local rope base, as newer converters write it
         w.add_float32(f"{arch}.rope.freq_base_swa", c.rope_parameters["sliding_attention"]["rope_theta"])
-    if arch == "granite":
-        w.add_float32("granite.embedding_scale", c.embedding_multiplier)
-        w.add_float32("granite.residual_scale", c.residual_multiplier)
-        w.add_float32("granite.attention.scale", c.attention_multiplier)
-        w.add_float32("granite.logit_scale", c.logits_scaling)
+    if arch in ("granite", "granitemoe"):
+        w.add_float32(f"{arch}.embedding_scale", c.embedding_multiplier)
+        w.add_float32(f"{arch}.residual_scale", c.residual_multiplier)
+        w.add_float32(f"{arch}.attention.scale", c.attention_multiplier)
+        w.add_float32(f"{arch}.logit_scale", c.logits_scaling)
     if arch == "gemma2":
         w.add_float32("gemma2.attn_logit_softcapping", c.attn_logit_softcapping)
         w.add_float32("gemma2.final_logit_softcapping", c.final_logit_softcapping)
-    pairs = arch in ("llama", "smollm3", "granite")  # the converter's permute: their rope rotates pairs
+    pairs = arch in ("llama", "smollm3", "granite", "granitemoe")  # the converter's permute: their rope rotates pairs
     rot = int(head_dim * rope.get("partial_rotary_factor", 1.0))
     if pairs or rot != head_dim:
         w.add_rope_dimension_count(rot)

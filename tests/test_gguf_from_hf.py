@@ -57,7 +57,8 @@ def gguf_models(tmp_path_factory, default_model):
     ("phi3", "phi3-longrope", None, 80), ("phi3", "phi3-longrope", 64, 40),
     ("gemma3", "gemma3-swa-base", None, 40), ("olmo2", "olmo2-f32", None, 40),
     # mixtures of experts: Mixtral's as a llama file with experts, Qwen3-MoE's, OLMoE's
-    ("llama", "mixtral-f32", None, 40), ("qwen3moe", "qwen3moe-f32", None, 40), ("olmoe", "olmoe-f32", None, 40)])
+    ("llama", "mixtral-f32", None, 40), ("qwen3moe", "qwen3moe-f32", None, 40), ("olmoe", "olmoe-f32", None, 40),
+    ("granitemoe", "granitemoe-f32", None, 40)])
 def test_gguf_transformers_cannot_read_matches_its_source(cpu, tmp_path, default_model, arch, variant, max_context,
                                                           n):
     """GGUF files transformers does not read (SmolLM3's last layer in 4 without rope, Granite's multipliers,

@@ -60,13 +60,15 @@ def test_expert_matmul(device, name):
     assert not y[0].any()
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.25], ids=["weighted", "weighted-and-scaled"])  # Granite's residual scale
 @pytest.mark.parametrize("device", installed_devices(), ids=lambda d: d.name)
-def test_add_weighted_by_the_router(device):
+def test_add_weighted_by_the_router(device, scale):
     rng = np.random.default_rng(3)
     x, y = rng.standard_normal((T, 40)).astype(np.float32), rng.standard_normal((T, 40)).astype(np.float32)
     wt = rng.random((T, K)).astype(np.float32)
-    out = run_on_device(device, ops.add(40, T, used=K), {"y": y.reshape(-1), "wt": wt.reshape(-1),
-                                                            "x": x.reshape(-1).copy()}, {"n_tokens": T, "t0": 2, "slot": 2})
+    out = run_on_device(device, ops.add(40, T, scale, used=K), {"y": y.reshape(-1), "wt": wt.reshape(-1),
+                                                                   "x": x.reshape(-1).copy()},
+                        {"n_tokens": T, "t0": 2, "slot": 2})
     got = out["x"].reshape(T, 40)
     np.testing.assert_array_equal(got[:2], x[:2])
-    np.testing.assert_allclose(got[2:], x[2:] + wt[2:, 2:3] * y[2:], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got[2:], x[2:] + wt[2:, 2:3] * scale * y[2:], rtol=1e-6, atol=1e-6)

@@ -83,6 +83,11 @@ VARIANTS = {  # name -> (config class name, dtype saved, rope parameters[, shape
                                                          "moe_intermediate_size": 64, "norm_topk_prob": True}),
     "olmoe-f32": ("OlmoeConfig", "float32", ROPE, {"num_experts": 8, "num_experts_per_tok": 2,
                                                    "intermediate_size": 64}),
+    # Granite's multipliers and a mixture whose experts' gate and up projections are stacked in one tensor
+    "granitemoe-f32": ("GraniteMoeConfig", "float32", ROPE, {"num_local_experts": 8, "num_experts_per_tok": 2,
+                                                             "intermediate_size": 64, "embedding_multiplier": 4.0,
+                                                             "residual_multiplier": 0.5, "attention_multiplier": 0.1,
+                                                             "logits_scaling": 2.0}),
     # scaled rope: an original context of 64 positions scales most of the frequencies these prompts turn through
     "llama-rope-linear": ("LlamaConfig", "float32", {**ROPE, "rope_type": "linear", "factor": 4.0}),
     "llama-rope-llama3": ("LlamaConfig", "float32", {**ROPE, "rope_type": "llama3", "factor": 4.0,
