@@ -13,20 +13,27 @@ from .errors import ModelFileError
 
 
 GGUF_ARCHS = ("llama", "smollm3", "granite", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2", "qwen3moe",
-              "olmoe", "granitemoe")
+              "olmoe", "granitemoe", "qwen2moe")
 # GGUF architectures whose query and key rows rotate halves (`_rope_pairs`)
-HALVES_ARCHS = ("qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2", "qwen3moe", "olmoe")
+HALVES_ARCHS = ("qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2", "qwen3moe", "olmoe", "qwen2moe")
 HF_TYPES = ("llama", "smollm3", "granite", "qwen2", "qwen3", "mistral", "phi3", "gemma2",  # config.json model_type
-            "gemma3_text", "olmo2", "olmo3", "mixtral", "qwen3_moe", "olmoe", "granitemoe")
+            "gemma3_text", "olmo2", "olmo3", "mixtral", "qwen3_moe", "olmoe", "granitemoe", "qwen2_moe")
 # query and key norms by GGUF architecture or config.json model_type: each head's, or the whole vector's
 QK_NORMS = {"qwen3": "head", "qwen3moe": "head", "qwen3_moe": "head", "olmoe": "whole"}
 # architectures with a mixture of experts -> whether the chosen experts' weights are divided by their sum, as
 # llama.cpp computes a GGUF file (Mixtral's are llama files with experts); config.json's norm_topk_prob says
-MOE_GGUF = {"llama": True, "qwen3moe": True, "olmoe": False, "granitemoe": True}
+MOE_GGUF = {"llama": True, "qwen3moe": True, "olmoe": False, "granitemoe": True, "qwen2moe": False}
 # config.json's -> (its router, an expert's prefix, the expert's gate, up and down projections), under model.layers.i
 MOE_HF = {"mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts.{e}.", ("w1", "w3", "w2")),
           "qwen3_moe": ("mlp.gate", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj")),
-          "olmoe": ("mlp.gate", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj"))}
+          "olmoe": ("mlp.gate", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj")),
+          "qwen2_moe": ("mlp.gate", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj"))}
+# a shared expert (Qwen2-MoE's: every token's, gated by sigmoid(x . w)): its tensors under model.layers.i
+SHARED_HF = {"ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+             "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+# the width of the experts' MLPs and of the shared expert's, where config.json says them
+MOE_FFN_HF = {"qwen3_moe": ("moe_intermediate_size", None),
+              "qwen2_moe": ("moe_intermediate_size", "shared_expert_intermediate_size")}
 # config.json's whose experts are stacked in the file -> (its router; the experts' gate and up projections, each
 # expert's gate rows then its up rows, [experts, 2 x ffn, dim]; their down projections, [experts, dim, ffn])
 MOE_HF_STACKED = {"granitemoe": ("block_sparse_moe.router.layer", "block_sparse_moe.input_linear",
@@ -71,6 +78,7 @@ class Config:
     experts: int = 0
     experts_used: int = 0
     experts_normalize: bool = True
+    shared_ffn: int = 0    # a shared expert's width, every token's MLP beside its chosen ones (0: none; Qwen2-MoE)
     sliding_window: int = 0                       # keys a token sees, itself included (0: every earlier one)
     full_layers: frozenset = frozenset()          # layers that see every key despite a sliding window
     nope_layers: frozenset = frozenset()          # layers without rope (SmolLM3's one in 4)
@@ -260,7 +268,8 @@ def sliding_window(where, c, n_layer):
     key nonetheless): those its layer_types names "full_attention", else Qwen2's first max_window_layers (as
     transformers reads them), else none."""
     window = c.get("sliding_window")
-    if window is None or (c["model_type"] == "qwen2" and not c.get("use_sliding_window")):
+    qwen = c["model_type"] in ("qwen2", "qwen2_moe")  # a window only where use_sliding_window says so
+    if window is None or (qwen and not c.get("use_sliding_window")):
         return 0, frozenset()
     window = number(where, "sliding_window", window, int)
     if window < 1:
@@ -271,7 +280,7 @@ def sliding_window(where, c, n_layer):
         if not isinstance(types, list) or len(types) != n_layer or any(t not in kinds for t in types):
             raise ModelFileError(where, f"layer_types must list {n_layer} of {' or '.join(map(repr, kinds))}")
         return window, frozenset(i for i, t in enumerate(types) if t == "full_attention")
-    if c["model_type"] == "qwen2":
+    if qwen:
         first = number(where, "max_window_layers", c.get("max_window_layers", 28), int)
         return window, frozenset(range(min(n_layer, first)))
     return window, frozenset()
@@ -320,12 +329,13 @@ def every_kth(n_layer, k):
 def gguf_features(cfg, arch, get, where):
     """What a GGUF file's architecture adds to the Llama block, on its Config; get(key, kind, default): the
     architecture's key, checked."""
-    cfg.bias, cfg.qk_norm = arch == "qwen2", QK_NORMS.get(arch, "")
+    cfg.bias, cfg.qk_norm = arch in ("qwen2", "qwen2moe"), QK_NORMS.get(arch, "")
     experts = get("expert_count", int, 0)
     if experts:
         if arch not in MOE_GGUF:
             raise ModelFileError(where, f"{arch}.expert_count: a mixture of experts is not supported in {arch} files")
         cfg.ffn = get("expert_feed_forward_length", int, cfg.ffn)
+        cfg.shared_ffn = get("expert_shared_feed_forward_length", int, 0) if arch == "qwen2moe" else 0
         moe(cfg, experts, get("expert_used_count", int), MOE_GGUF[arch], where, f"{arch}.expert_used_count")
     if arch.startswith("gemma") or arch in ("phi3", "olmo2"):  # windows where the file says so
         cfg.sliding_window = get("attention.sliding_window", int, 0)
@@ -352,10 +362,13 @@ def hf_features(cfg, c, get, where):
     """What a config.json's model_type adds to the Llama block, on its Config; get(key, kind, default): c[key],
     checked."""
     kind = c["model_type"]
-    cfg.bias, cfg.qk_norm = kind == "qwen2", QK_NORMS.get(kind, "")
+    cfg.bias = kind == "qwen2" or kind == "qwen2_moe" and bool(c.get("qkv_bias", True))
+    cfg.qk_norm = QK_NORMS.get(kind, "")
     if kind in MOE_HF or kind in MOE_HF_STACKED:
-        if kind == "qwen3_moe":  # its experts' width; dense layers among sparse ones are not computed
-            cfg.ffn = get("moe_intermediate_size", int)
+        if kind in MOE_FFN_HF:  # its experts' width; dense layers among sparse ones are not computed
+            experts_ffn, shared_ffn = MOE_FFN_HF[kind]
+            cfg.ffn = get(experts_ffn, int)
+            cfg.shared_ffn = get(shared_ffn, int) if shared_ffn else 0
             if get("decoder_sparse_step", int, 1) != 1 or c.get("mlp_only_layers"):
                 raise ModelFileError(where, "decoder_sparse_step / mlp_only_layers: dense MLP layers among the "
                                             "experts' are not supported")

@@ -112,16 +112,16 @@ class Llama:
     # -- sizes of the per-device activations
     def activations(self):
         c, T = self.cfg, self.T
-        q, kv = c.n_head * c.head_dim, c.n_kv * c.head_dim
-        inp = T * max(c.dim, q, c.ffn)  # the widest matmul input of a step
+        q, kv, ffn = c.n_head * c.head_dim, c.n_kv * c.head_dim, max(c.ffn, c.shared_ffn)
+        inp = T * max(c.dim, q, ffn)  # the widest matmul input of a step
         # a mixture's: the router's logits, its choice and weights, and the experts' down projections' input as
         # the dot4 layouts read it (`_inputs(into="h")`: the MLP's input stays quantized for every slot's gate / up)
         moe = {"router": ("f32", T * c.experts), "sel": ("i32", T * c.experts_used),
-               "wt": ("f32", T * c.experts_used), "hq": ("u8", T * c.ffn * self.digits),
-               "hd": ("f32", T * c.ffn // 32), "hs": ("f32", T * c.ffn // 16)} if c.experts else {}
+               "wt": ("f32", T * c.experts_used), "hq": ("u8", T * ffn * self.digits),
+               "hd": ("f32", T * ffn // 32), "hs": ("f32", T * ffn // 16)} if c.experts else {}
         return {**moe, "tok": ("i32", T), "tpos": ("i32", self.batch), "x": ("f32", T * c.dim), "xn": ("f32", T * c.dim), "q": ("f32", T * q),
-                "k": ("f32", T * kv), "v": ("f32", T * kv), "att": ("f32", T * q), "g": ("f32", T * c.ffn),
-                "u": ("f32", T * c.ffn), "h": ("f32", T * c.ffn), "logits": ("f32", T * c.vocab),
+                "k": ("f32", T * kv), "v": ("f32", T * kv), "att": ("f32", T * q), "g": ("f32", T * ffn),
+                "u": ("f32", T * ffn), "h": ("f32", T * ffn), "logits": ("f32", T * c.vocab),
                 # an output before it joins x, normed or scaled
                 **({"y": ("f32", T * c.dim)} if c.sandwich or c.residual_scale != 1.0 or c.experts else {}),
                 "scores": ("f32", T * c.n_head * self.n_pages * self.page),
@@ -165,6 +165,11 @@ class Llama:
              p + f"ffn_down{mlp}.weight": ((e * c.dim, c.ffn), False)}
         if c.experts:
             w[p + "ffn_gate_inp.weight"] = ((c.experts, c.dim), False)  # the router
+        if c.shared_ffn:  # a shared expert, and its gate's weights
+            w.update({p + "ffn_gate_shexp.weight": ((c.shared_ffn, c.dim), False),
+                      p + "ffn_up_shexp.weight": ((c.shared_ffn, c.dim), False),
+                      p + "ffn_down_shexp.weight": ((c.dim, c.shared_ffn), False),
+                      p + "ffn_gate_inp_shexp.weight": ((c.dim,), True)})
         if c.pre_norm:
             w.update({p + n: ((c.dim,), True) for n in ("attn_norm.weight", "ffn_norm.weight")})
         if c.bias:
@@ -266,7 +271,7 @@ class Llama:
                 BATCH_TOKENS if batch else 1
             return [LaunchTemplate(ops.matmul(fmt, rows, cols, self.T, acc, bias is not None, not interleave,
                                               self.digits, tokens),
-                                   {"w": f"w:{name}", "x": f"a:{x}", **bufs, **self._digits(fmt)}, scalars)]
+                                   {"w": f"w:{name}", "x": f"a:{x}", **bufs, **self._digits(fmt, into)}, scalars)]
         out = []
         for mm, at in prefill_matmuls(fmt, rows, cols, self.T, acc, bias is not None, tile):
             names = {s: f"{s}_{v}" for s, v in at.items()}  # constants, the same at every step
@@ -365,8 +370,10 @@ class Llama:
                         *inputs("h", c.ffn, "ffn_down"),
                         *joined("ffn_down", "h", c.dim, c.ffn)]
             # a mixture of experts: its input quantized once, the router's logits and choice, then each slot's
-            # expert (its down projection's input quantized apart) joining the residual times its weight
-            out = [*inputs(src, c.dim, "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps"),
+            # expert (its down projection's input quantized apart) joining the residual times its weight, then a
+            # shared expert joining it times its gate
+            shared = ("ffn_gate_shexp", "ffn_up_shexp") if c.shared_ffn else ()
+            out = [*inputs(src, c.dim, "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", *shared),
                    *mm_wanted(p + "ffn_gate_inp.weight", src, "router", c.experts, c.dim),
                    LaunchTemplate(ops.moe_route(c.experts, c.experts_used, T, c.experts_normalize),
                                   {"r": "a:router", "sel": "a:sel", "wt": "a:wt"}, only_wanted)]
@@ -379,6 +386,14 @@ class Llama:
                         *expert(p + "ffn_down_exps.weight", "h", "y", c.dim, c.ffn, into="h"),
                         LaunchTemplate(ops.add(c.dim, T, c.residual_scale, used=c.experts_used),
                                        {"y": "a:y", "wt": "a:wt", "x": "a:x"}, {**only_wanted, "slot": f"slot{j}"})]
+            if c.shared_ffn:
+                out += [*mm_wanted(p + "ffn_gate_shexp.weight", src, "g", c.shared_ffn, c.dim),
+                        *mm_wanted(p + "ffn_up_shexp.weight", src, "u", c.shared_ffn, c.dim),
+                        LaunchTemplate(act(c.shared_ffn, T), {"g": "a:g", "u": "a:u", "h": "a:h"}, only_wanted),
+                        *inputs("h", c.shared_ffn, "ffn_down_shexp", into="h"),
+                        *mm_wanted(p + "ffn_down_shexp.weight", "h", "y", c.dim, c.shared_ffn, into="h"),
+                        LaunchTemplate(ops.add_gated(c.dim, T), {"y": "a:y", "xin": f"a:{src}", "x": "a:x",
+                                                                 "w": f"w:{p}ffn_gate_inp_shexp.weight"}, only_wanted)]
             return out
         return [
             *pre_norm("attn_norm", EVERY_TOKEN),

@@ -167,6 +167,8 @@ class ModelFile(_Tensors):
                 names.update(f"blk.{i}.{g}.weight" for g in ("post_attention_norm", "post_ffw_norm"))
             if cfg.experts:
                 names.update(f"blk.{i}.{g}.weight" for g in ("ffn_gate_inp", *archs.EXPERTS))
+            if cfg.shared_ffn:
+                names.update(f"blk.{i}.{g}.weight" for g in archs.SHARED_HF)
         return names
 
     def _split_fused(self, fused_ffn):
@@ -264,7 +266,8 @@ class ModelFile(_Tensors):
                 if gemma and gguf_name.endswith("norm.weight"):  # Gemma's norms scale by 1 + w; GGUF files hold 1 + w
                     raw = lambda t=t: (_as_f32(st.raw(t.name), t.type_name, hf_name) + 1).view(np.uint8)
                     kind = "F32"
-                shape = (t.shape[0] * t.shape[1], *t.shape[2:]) if archs.experts_tensor(gguf_name) else t.shape
+                shape = (t.shape[0] * t.shape[1], *t.shape[2:]) if archs.experts_tensor(gguf_name) else \
+                    (t.shape[-1],) if gguf_name.endswith("gate_inp_shexp.weight") else t.shape  # [1, dim]: a vector
                 self.tensors[gguf_name] = Tensor(gguf_name, shape, kind, raw)
         add("token_embd.weight", "model.embed_tokens.weight")
         add("output_norm.weight", "model.norm.weight")
@@ -289,6 +292,8 @@ class ModelFile(_Tensors):
                             Tensor(t.name, t.shape, t.type_name, lambda n=t.name: st.raw(n)), f"blk.{i}.{g}.weight",
                             j, where)
             elif cfg.experts:
+                for g, h in archs.SHARED_HF.items() if cfg.shared_ffn else ():
+                    add(f"blk.{i}.{g}.weight", f"model.layers.{i}.{h}.weight")
                 router, expert, parts = archs.MOE_HF[c["model_type"]]
                 add(f"blk.{i}.ffn_gate_inp.weight", f"model.layers.{i}.{router}.weight")
                 for g, part in zip(archs.EXPERTS, parts):

@@ -692,6 +692,23 @@ def add(dim: int, T: int, scale=1.0, used=0) -> ir.Kernel:
 
 
 @functools.cache
+def add_gated(dim: int, T: int) -> ir.Kernel:
+    """x += y * sigmoid(xin . w) for the tokens from t0: a shared expert's output joining the residual, gated by
+    the dot of its input with w (Qwen2-MoE's shared_expert_gate)."""
+    k = ir.Kernel(f"add_gated_{dim}_T{T}")
+    k.buffer("y", "f32", T * dim), k.buffer("xin", "f32", T * dim), k.buffer("w", "f32", dim)
+    k.buffer("x", "f32", T * dim, True)
+    n, t0 = k.scalar("n_tokens"), k.scalar("t0")
+    with k.parallel("j", n - t0) as j:
+        t = k.let("t", t0 + j)
+        z = k.let("z", ir.reduce("add", "i", dim, lambda i: k.load("xin", t * dim + i) * k.load("w", i)))
+        gate = k.let("gate", 1.0 / (exp(-z) + 1.0))
+        with k.loop("i", dim, "vector") as i:
+            k.store("x", t * dim + i, k.load("x", t * dim + i) + k.load("y", t * dim + i) * gate)
+    return k.finish()
+
+
+@functools.cache
 def softcap(dim: int, T: int, cap: float) -> ir.Kernel:
     """x -> cap * tanh(x / cap) in place for the tokens from t0 (Gemma 2's final logits)."""
     k = ir.Kernel(f"softcap_{dim}_T{T}_{cap:g}")

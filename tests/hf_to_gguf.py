@@ -17,7 +17,9 @@ NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-         "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # Phi-3's fused ones, as llama.cpp keeps them
+         "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused ones, as llama.cpp keeps them
+         "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+         "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 
 
 # Gemma's: post_attention_layernorm norms the attention's output there
@@ -94,8 +96,10 @@ def write(model, arch, path, tokenizer_gguf, matrix_type="Q8_0"):
     if experts:
         w.add_expert_count(experts)
         w.add_expert_used_count(c.num_experts_per_tok)
-        if getattr(c, "moe_intermediate_size", None) and arch == "qwen3moe":
+        if getattr(c, "moe_intermediate_size", None) and arch in ("qwen3moe", "qwen2moe"):
             w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        if arch == "qwen2moe":
+            w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
 
     tok = gguf.GGUFReader(tokenizer_gguf)
     for name, f in tok.fields.items():
@@ -120,6 +124,8 @@ def write(model, arch, path, tokenizer_gguf, matrix_type="Q8_0"):
             _gguf_name(hf, GEMMA_NAMES if post_norms else NAMES)
         if gemma and name.endswith("norm.weight"):
             a = a + 1
+        if name.endswith("gate_inp_shexp.weight"):  # [1, dim]: llama.cpp's converter writes a vector
+            a = a.reshape(-1)
         if pairs and (".attn_q." in name or ".attn_k." in name):
             a = _pairs(a, c.num_attention_heads if ".attn_q." in name else c.num_key_value_heads)
         _add(w, name, a, matrix_type)

@@ -58,7 +58,7 @@ def gguf_models(tmp_path_factory, default_model):
     ("gemma3", "gemma3-swa-base", None, 40), ("olmo2", "olmo2-f32", None, 40),
     # mixtures of experts: Mixtral's as a llama file with experts, Qwen3-MoE's, OLMoE's
     ("llama", "mixtral-f32", None, 40), ("qwen3moe", "qwen3moe-f32", None, 40), ("olmoe", "olmoe-f32", None, 40),
-    ("granitemoe", "granitemoe-f32", None, 40)])
+    ("granitemoe", "granitemoe-f32", None, 40), ("qwen2moe", "qwen2moe-f32", None, 40)])
 def test_gguf_transformers_cannot_read_matches_its_source(cpu, tmp_path, default_model, arch, variant, max_context,
                                                           n):
     """GGUF files transformers does not read (SmolLM3's last layer in 4 without rope, Granite's multipliers,
@@ -131,19 +131,20 @@ def test_moe_on_an_accelerator(tmp_path, default_model, device):
     assert np.abs(prompt - want).max() <= 1e-3
 
 
+@pytest.mark.parametrize("arch, variant", [("qwen3moe", "qwen3moe-f32"), ("qwen2moe", "qwen2moe-f32")])
 @pytest.mark.parametrize("kind, layout", [("Q8_0", "R8"), ("Q4_0", "R40")])
-def test_quantized_moe_matches_its_dequantized_source(cpu, tmp_path, default_model, kind, layout):
+def test_quantized_moe_matches_its_dequantized_source(cpu, tmp_path, default_model, kind, layout, arch, variant):
     """Quantized experts (their CPU layout interleaved: each token's expert rows read in row groups; R40 a dot4
-    layout, its inputs quantized -- the MLP's once, each down projection's apart) against the source model with
-    every matrix replaced by what the file's blocks hold."""
+    layout, its inputs quantized -- the MLP's once, each down projection's apart, a shared expert's too) against
+    the source model with every matrix replaced by what the file's blocks hold: decode steps and a prompt."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(default_model),
                                                            gguf_file=os.path.basename(default_model))
-    model = _build(tmp_path / "moe", "qwen3moe-f32", tokenizer)
-    path = hf_to_gguf.write(model, "qwen3moe", tmp_path / "moe.gguf", default_model, matrix_type=kind)
+    model = _build(tmp_path / "moe", variant, tokenizer)
+    path = hf_to_gguf.write(model, arch, tmp_path / "moe.gguf", default_model, matrix_type=kind)
     q = hf_to_gguf.gguf.GGMLQuantizationType[kind]
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and not name.endswith("shared_expert_gate.weight"):  # a vector in the file, F32
                 a = p.detach().numpy()
                 p.copy_(torch.from_numpy(hf_to_gguf.gguf.quants.dequantize(hf_to_gguf.gguf.quants.quantize(a, q), q)
                                          .reshape(a.shape)))
@@ -152,6 +153,8 @@ def test_quantized_moe_matches_its_dequantized_source(cpu, tmp_path, default_mod
         assert eng.model.fmt(experts, eng.model.weight_shapes(0)[experts][0]).name == layout  # interleaved
         ids = (eng.tokenizer.encode(PROMPTS[0]) * 2)[:40]
         got = eng.score(ids)
+        with eng.session() as s:
+            steps = np.concatenate([s.feed([t]) for t in ids[:8]])
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0].numpy()
-    assert np.abs(got - want).max() <= 1e-3
+    assert np.abs(got - want).max() <= 1e-3 and np.abs(steps - want[:8]).max() <= 1e-3

@@ -72,3 +72,19 @@ def test_add_weighted_by_the_router(device, scale):
     got = out["x"].reshape(T, 40)
     np.testing.assert_array_equal(got[:2], x[:2])
     np.testing.assert_allclose(got[2:], x[2:] + wt[2:, 2:3] * scale * y[2:], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", installed_devices(), ids=lambda d: d.name)
+def test_add_gated_by_the_input(device):
+    """A shared expert's output joining the residual times sigmoid(its input . w) (Qwen2-MoE's shared_expert_gate),
+    for the tokens from t0."""
+    rng = np.random.default_rng(4)
+    x, y, xin = (rng.standard_normal((T, 40)).astype(np.float32) for _ in range(3))
+    w = (rng.standard_normal(40) * 0.3).astype(np.float32)
+    out = run_on_device(device, ops.add_gated(40, T), {"y": y.reshape(-1), "xin": xin.reshape(-1), "w": w,
+                                                         "x": x.reshape(-1).copy()}, {"n_tokens": T, "t0": 1})
+    got = out["x"].reshape(T, 40)
+    gate = 1 / (1 + np.exp(-(xin.astype(np.float64) @ w)))
+    np.testing.assert_array_equal(got[:1], x[:1])
+    assert 0.05 < gate.min() and gate.max() < 0.95  # gates away from 0 and 1: a wrong one shows
+    np.testing.assert_allclose(got[1:], x[1:] + gate[1:, None] * y[1:], rtol=1e-5, atol=1e-5)

@@ -83,6 +83,11 @@ VARIANTS = {  # name -> (config class name, dtype saved, rope parameters[, shape
                                                          "moe_intermediate_size": 64, "norm_topk_prob": True}),
     "olmoe-f32": ("OlmoeConfig", "float32", ROPE, {"num_experts": 8, "num_experts_per_tok": 2,
                                                    "intermediate_size": 64}),
+    # Qwen2-MoE: a shared expert (wider than the others) gated by sigmoid(x . w), q/k/v biases, weights not
+    # normalized (4 of 8 experts: with 2, prompt 0's 71st token's choice is a near-tie, which llama.cpp flips)
+    "qwen2moe-f32": ("Qwen2MoeConfig", "float32", ROPE, {"num_experts": 8, "num_experts_per_tok": 4,
+                                                         "moe_intermediate_size": 64,
+                                                         "shared_expert_intermediate_size": 96}),
     # Granite's multipliers and a mixture whose experts' gate and up projections are stacked in one tensor
     "granitemoe-f32": ("GraniteMoeConfig", "float32", ROPE, {"num_local_experts": 8, "num_experts_per_tok": 2,
                                                              "intermediate_size": 64, "embedding_multiplier": 4.0,
