@@ -4,20 +4,22 @@ POST /v1/chat/completions and /v1/completions (whole replies, or server-sent eve
 log probabilities, and a completion's prompt echoed with its own: what evaluation harnesses ask), GET /v1/models
 and /health. Each request runs in its own thread; the engine decodes the requests' replies together (the decode
 steps they wait for at once run as one batched step, up to `--max-sequences` of them; prompts take their steps in
-turn), so replies stream side by side. A request's options are checked before any token (400, naming the
+turn), so replies stream side by side -- and so do a request's `n` choices, each a generation of its own. A request's options are checked before any token (400, naming the
 option); a client that goes away mid-stream ends its generation (its sequence parked for the prompt cache, as
 any finished one).
 """
 from __future__ import annotations
 
 import json
+import queue
+import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from .engine import log_probs
-from .errors import JitllmError, check_whole
+from .errors import JitllmError, check_whole, is_whole
 
 # OpenAI's finish reasons for the engine's: the context filling up is a length limit too
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
@@ -40,14 +42,20 @@ def _options(body, eng, chat):
     for name in UNSUPPORTED:
         if body.get(name) not in (None, False, 0, [], {}):
             raise BadRequest(f"{name} is not supported by this server", name)
-    if body.get("n", 1) != 1:
-        raise BadRequest("n must be 1 (one choice per request)", "n")
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     # each value checked by generate, which names it: the reply to a bad one is a 400 before any token
     return {"max_tokens": eng.max_context if limit is None else limit, "logprobs": _logprobs(body, chat),
             "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
             "top_k": body.get("top_k", 0), "seed": body.get("seed"), "stop": body.get("stop"),
             "ignore_eos": bool(body.get("ignore_eos", False))}
+
+
+def _choices(body, eng):
+    """The choices a request asks for (OpenAI's n): at most the sequences the engine decodes at once."""
+    n, most = body.get("n", 1), eng.model.batch
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= most:
+        raise BadRequest(f"n must be a whole number from 1 to {most} (the server's --max-sequences)", "n")
+    return n
 
 
 def _logprobs(body, chat):
@@ -117,8 +125,12 @@ class Api:
         if echo and not 0 < len(ids) <= self.eng.max_context:  # scored whole: as a prompt, within the context
             raise BadRequest(f"the prompt has {len(ids)} tokens; echo scores 1 to max_context "
                              f"({self.eng.max_context})", "prompt")
-        stream = self.eng.generate(prompt, stream=True, **options) if not echo or options["max_tokens"] else None
-        return Request(self, chat, stream, options["logprobs"], ids)
+        n = _choices(body, self.eng)
+        # each choice a generation of its own (decoded together: `Engine._decode`), a seed given seeding each apart
+        seed = options.pop("seed")
+        streams = [self.eng.generate(prompt, stream=True, seed=seed + i if is_whole(seed) else seed, **options)
+                   for i in range(n)] if not echo or options["max_tokens"] else []
+        return Request(self, chat, streams, options["logprobs"], ids)
 
     def pieces(self, ids, lps):
         """A completion's logprobs object for tokens and their (logprob, alternatives), None where unknown."""
@@ -139,15 +151,23 @@ class Api:
 
 
 class Request:
-    """One POST's generation: its reply whole, or as server-sent event payloads."""
+    """One POST's generations (its n choices): the reply whole, or as server-sent event payloads."""
 
-    def __init__(self, api, chat, stream, logprobs, echo_ids):
-        self.api, self.chat, self.stream, self.logprobs, self.echo_ids = api, chat, stream, logprobs, echo_ids
+    def __init__(self, api, chat, streams, logprobs, echo_ids):
+        self.api, self.chat, self.streams, self.logprobs, self.echo_ids = api, chat, streams, logprobs, echo_ids
         self.kind = "chat.completion" if chat else "text_completion"
+        self.n = max(1, len(streams))
+        self.closed = threading.Event()  # set: the choices' threads stop after their current token
+        self.runner = None  # the thread running a streamed reply's choices (n > 1)
 
     def close(self):
-        if self.stream is not None:
-            self.stream.close()  # frees or parks the sequence, whether it finished or not
+        """End every choice's generation (each parks or frees its sequence, finished or not): after the threads
+        that iterate them have stopped (a generator is closed from no thread while another runs it)."""
+        self.closed.set()
+        if self.runner is not None:
+            self.runner.join()
+        for s in self.streams:
+            s.close()
 
     def _echo(self):
         """A completion's prompt as its text and its tokens' (logprob, alternatives) (the first has none): scored."""
@@ -158,60 +178,133 @@ class Request:
         return api.eng.tokenizer.decode(ids), ids, [None] + [log_probs(logits[i - 1], ids[i], self.logprobs)
                                                             for i in range(1, len(ids))]
 
+    def _usage(self, results, prompt_tokens=0):
+        """The prompt's tokens once, every choice's completion tokens."""
+        prompt = results[0].timings.get("prompt_tokens", 0) if results else prompt_tokens
+        done = sum(len(r.token_ids) for r in results)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+    def _at_once(self, work):
+        """work(i, stream) for every choice, each in a thread of its own but the first (their generations decode
+        together); the first error raised again here."""
+        errors = []
+
+        def run(i, s):
+            try:
+                work(i, s)
+            except BaseException as e:  # noqa: BLE001 -- raised again in the request's thread
+                errors.append(e)
+                self.closed.set()
+        threads = [threading.Thread(target=run, args=(i, s), daemon=True) for i, s in enumerate(self.streams)][1:]
+        for t in threads:
+            t.start()
+        if self.streams:
+            run(0, self.streams[0])
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
+    def _drain(self, i, stream):
+        for _ in stream:
+            if self.closed.is_set():
+                break
+
     def reply(self, created, rid):
-        """The whole reply, once the generation ends."""
-        text, ids, lps, reason, usage = "", [], [], "length", None
+        """The whole reply, once every choice's generation ends."""
+        text, ids, lps, usage = "", [], [], None
         if self.echo_ids is not None:
             text, ids, lps = self._echo()
-            usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
-        if self.stream is not None:
-            for _ in self.stream:
-                pass
-            r = self.stream.result
-            text, ids, lps = text + r.text, ids + r.token_ids, (lps or []) + (r.logprobs or [])
-            reason, usage = r.finish_reason, _usage(r)
-        if self.chat:
-            choice = {"message": {"role": "assistant", "content": text},
-                      "logprobs": None if self.logprobs is None else self.api.chat_pieces(ids, lps)}
-        else:
-            choice = {"text": text, "logprobs": None if self.logprobs is None else self.api.pieces(ids, lps)}
-        return {"id": rid, "object": self.kind, "created": created, "model": self.api.name,
-                "choices": [{"index": 0, **choice, "finish_reason": FINISH[reason]}], "usage": usage}
+            usage = self._usage([], len(ids))
+        self._at_once(self._drain)
+        choices = []
+        for i, s in enumerate(self.streams or [None]):
+            r = s.result if s else None
+            c_text, c_ids = text + (r.text if r else ""), ids + (r.token_ids if r else [])
+            c_lps = (lps or []) + (r.logprobs or [] if r else [])
+            if self.chat:
+                choice = {"message": {"role": "assistant", "content": c_text},
+                          "logprobs": None if self.logprobs is None else self.api.chat_pieces(c_ids, c_lps)}
+            else:
+                choice = {"text": c_text,
+                          "logprobs": None if self.logprobs is None else self.api.pieces(c_ids, c_lps)}
+            choices.append({"index": i, **choice, "finish_reason": FINISH[r.finish_reason if r else "length"]})
+        if self.streams:
+            usage = self._usage([s.result for s in self.streams])
+        return {"id": rid, "object": self.kind, "created": created, "model": self.api.name, "choices": choices,
+                "usage": usage}
 
     def chunks(self, created, rid):
-        """The reply as server-sent event payloads (a completion's echoed prompt first), the last carrying the
-        finish reason and the usage."""
+        """The reply as server-sent event payloads, each choice's (a completion's echoed prompt first) as its
+        tokens come, its last carrying its finish reason; the usage on the last chunk of one choice, or on a
+        chunk of its own after n."""
         base = {"id": rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": created, "model": self.api.name}
-        first, reason, usage = True, "length", None
+        echo = self._echo() if self.echo_ids is not None else None
 
-        def chunk(text, ids, lps, finish=None):
-            nonlocal first
-            if self.chat:
-                part = {"delta": {"role": "assistant", "content": text} if first else {"content": text}}
-                if self.logprobs is not None:
-                    part["logprobs"] = self.api.chat_pieces(ids, lps)
+        def choice_chunks(i, stream):
+            first = True
+
+            def chunk(text, ids, lps, finish=None):
+                nonlocal first
+                if self.chat:
+                    part = {"delta": {"role": "assistant", "content": text} if first else {"content": text}}
+                    if self.logprobs is not None:
+                        part["logprobs"] = self.api.chat_pieces(ids, lps)
+                else:
+                    part = {"text": text, "logprobs": None if self.logprobs is None else self.api.pieces(ids, lps)}
+                first = False
+                return {**base, "choices": [{"index": i, **part, "finish_reason": finish}]}
+            if echo is not None:
+                text, ids, lps = echo
+                yield chunk(text, ids, lps or [None] * len(ids))
+            reason = "length"
+            if stream is not None:
+                for ev in stream:
+                    if self.closed.is_set():
+                        return
+                    if ev.text or first or ev.logprob:
+                        yield chunk(ev.text, [ev.token_id], [ev.logprob])
+                reason = stream.result.finish_reason
+            yield chunk("", [], [], FINISH[reason])
+        if self.n == 1:
+            stream = self.streams[0] if self.streams else None
+            last = None
+            for last in choice_chunks(0, stream):
+                if last["choices"][0]["finish_reason"] is None:
+                    yield last
+            results = [stream.result] if stream else []
+            yield {**last, "usage": self._usage(results, len(echo[1]) if echo else 0)}
+            return
+        out = queue.Queue()
+        done = object()
+
+        def work(i, stream):
+            try:
+                for c in choice_chunks(i, stream):
+                    out.put(c)
+            finally:
+                out.put(done)
+        failed = []
+
+        def run_all():
+            try:
+                self._at_once(work)
+            except BaseException as e:  # noqa: BLE001 -- raised again below, in the request's thread
+                failed.append(e)
+        self.runner = threading.Thread(target=run_all, daemon=True)
+        self.runner.start()
+        ended = 0
+        while ended < self.n:
+            c = out.get()
+            if c is done:
+                ended += 1
             else:
-                part = {"text": text, "logprobs": None if self.logprobs is None else self.api.pieces(ids, lps)}
-            first = False
-            return {**base, "choices": [{"index": 0, **part, "finish_reason": finish}]}
-        if self.echo_ids is not None:
-            text, ids, lps = self._echo()
-            usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
-            yield chunk(text, ids, lps or [None] * len(ids))
-        if self.stream is not None:
-            for ev in self.stream:
-                if ev.text or first or ev.logprob:
-                    yield chunk(ev.text, [ev.token_id], [ev.logprob])
-            reason, usage = self.stream.result.finish_reason, _usage(self.stream.result)
-        yield {**chunk("", [], [], FINISH[reason]), "usage": usage}
-
-
-
-
-def _usage(r):
-    prompt, done = r.timings.get("prompt_tokens", 0), len(r.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+                yield c
+        self.runner.join()
+        if failed:
+            raise failed[0]
+        yield {**base, "choices": [], "usage": self._usage([s.result for s in self.streams])}
 
 
 class Handler(BaseHTTPRequestHandler):

@@ -89,10 +89,36 @@ def test_streamed_completions_side_by_side(served):
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == eng.chat(CHAT, max_tokens=24).text
 
 
+def test_n_choices_are_generations_of_their_own_decoded_together(served, monkeypatch):
+    """n choices: each the engine's generation alone (sampled ones seeded seed, seed + 1, ...), whole and streamed
+    (each choice's chunks under its index, the usage after them all), their decode steps batched."""
+    from jitllm_core import engine as engine_mod
+    monkeypatch.setattr(engine_mod, "BATCH_WAIT", 1.0)  # a busy machine's threads still meet (test_batched_decode)
+    eng, port = served
+    kw = dict(max_tokens=16, temperature=0.9, seed=7)
+    want = [eng.generate("Once upon a time", **{**kw, "seed": 7 + i}) for i in range(3)]
+    assert len({tuple(w.token_ids) for w in want}) > 1  # the seeds give different replies
+    eng.reset_stats()
+    status, got = request(port, "POST", "/v1/completions", {"prompt": "Once upon a time", "n": 3, **kw})
+    assert status == 200 and [c["index"] for c in got["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in got["choices"]] == [w.text for w in want]
+    assert got["usage"]["completion_tokens"] == sum(len(w.token_ids) for w in want)
+    assert got["usage"]["prompt_tokens"] == want[0].timings["prompt_tokens"] and eng.stats["batched_steps"] > 0
+    chat = [eng.chat(CHAT, max_tokens=12, temperature=0.9, seed=3 + i).text for i in range(2)]
+    status, chunks = request(port, "POST", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 12, "n": 2,
+                                                                    "temperature": 0.9, "seed": 3, "stream": True})
+    assert status == 200 and chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+    for i, text in enumerate(chat):
+        mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == i]
+        assert mine[0]["delta"]["role"] == "assistant" and mine[-1]["finish_reason"] in ("stop", "length")
+        assert "".join(c["delta"].get("content", "") for c in mine) == text
+
+
 @pytest.mark.parametrize("body, words", [
     ({"prompt": "Hi", "temperature": -1}, "temperature must be a finite number >= 0"),
     ({"prompt": "Hi", "max_tokens": -3}, "max_tokens must be a whole number >= 0"),
-    ({"prompt": "Hi", "n": 2}, "n must be 1"),
+    ({"prompt": "Hi", "n": 0}, "n must be a whole number from 1 to 4 (the server's --max-sequences)"),
+    ({"prompt": "Hi", "n": 5}, "n must be a whole number from 1 to 4"),
     ({"prompt": "Hi", "tools": [{"type": "function"}]}, "tools is not supported"),
     ({"prompt": "Hi", "logprobs": 50}, "at most 20 log probabilities per token"),
     ({"prompt": "Hi", "logprobs": -1}, "logprobs must be a whole number >= 0"),
@@ -183,11 +209,13 @@ def test_the_official_openai_client(served):
         client.completions.create(model=model, prompt="Hi", temperature=-2)
 
 
-def test_a_client_that_leaves_ends_its_generation(served):
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_client_that_leaves_ends_its_generation(served, n):
+    """A client that leaves mid-stream ends its generation: every one of its n choices'."""
     eng, port = served
     with socket.create_connection(("127.0.0.1", port)) as s:
         body = json.dumps({"prompt": "Tell me a long story.", "max_tokens": 4000, "ignore_eos": True,
-                           "stream": True}).encode()
+                           "stream": True, "n": n}).encode()
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         seen = b""
