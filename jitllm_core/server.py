@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -50,11 +51,26 @@ def _options(body, eng, chat):
             "ignore_eos": bool(body.get("ignore_eos", False))}
 
 
-def _choices(body, eng):
-    """The choices a request asks for (OpenAI's n): at most the sequences the engine decodes at once."""
+def _prompts(body):
+    """A completion's prompts: a string or token ids, or a list of those (a batch of prompts)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or isinstance(prompt, list) and all(map(is_whole, prompt)):
+        return [prompt]
+    if isinstance(prompt, list) and all(isinstance(p, str) or isinstance(p, list) and all(map(is_whole, p))
+                                        for p in prompt):
+        return prompt
+    raise BadRequest("prompt must be a string or a list of token ids (or a list of such prompts)", "prompt")
+
+
+def _choices(body, eng, prompts):
+    """The choices a request asks for per prompt (OpenAI's n): its `prompts` x n generations at most the
+    sequences the engine decodes at once."""
     n, most = body.get("n", 1), eng.model.batch
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= most:
         raise BadRequest(f"n must be a whole number from 1 to {most} (the server's --max-sequences)", "n")
+    if prompts * n > most:
+        raise BadRequest(f"{prompts} prompts x n = {prompts * n} generations; at most {most} at once (the server's "
+                         "--max-sequences)", "prompt")
     return n
 
 
@@ -112,25 +128,23 @@ class Api:
             raise BadRequest("the request body must be a JSON object")
         chat = path == "/v1/chat/completions"
         options = _options(body, self.eng, chat)
-        if chat:
-            prompt = self.eng.apply_chat_template(_messages(body))
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                prompt = prompt[0]  # a batch of one prompt
-            if not (isinstance(prompt, str) or isinstance(prompt, list)):
-                raise BadRequest("prompt must be a string or a list of token ids", "prompt")
+        prompts = [self.eng.apply_chat_template(_messages(body))] if chat else _prompts(body)
         echo = bool(body.get("echo")) and not chat
-        ids = self.eng.encode(prompt) if echo else None
-        if echo and not 0 < len(ids) <= self.eng.max_context:  # scored whole: as a prompt, within the context
-            raise BadRequest(f"the prompt has {len(ids)} tokens; echo scores 1 to max_context "
-                             f"({self.eng.max_context})", "prompt")
-        n = _choices(body, self.eng)
+        ids = [self.eng.encode(p) for p in prompts]
+        for one in ids if echo else ():  # scored whole: as a prompt, within the context
+            if not 0 < len(one) <= self.eng.max_context:
+                raise BadRequest(f"the prompt has {len(one)} tokens; echo scores 1 to max_context "
+                                 f"({self.eng.max_context})", "prompt")
+        generates = not echo or options["max_tokens"]
+        n = _choices(body, self.eng, len(prompts) if generates else 0)
         # each choice a generation of its own (decoded together: `Engine._decode`), a seed given seeding each apart
-        seed = options.pop("seed")
-        streams = [self.eng.generate(prompt, stream=True, seed=seed + i if is_whole(seed) else seed, **options)
-                   for i in range(n)] if not echo or options["max_tokens"] else []
-        return Request(self, chat, streams, options["logprobs"], ids)
+        seed, choices = options.pop("seed"), []
+        for one in ids:
+            for _ in range(n):
+                stream = self.eng.generate(one, stream=True, seed=seed + len(choices) if is_whole(seed) else seed,
+                                           **options) if generates else None
+                choices.append(Choice(one, echo, stream))
+        return Request(self, chat, choices, options["logprobs"], sum(map(len, ids)))
 
     def pieces(self, ids, lps):
         """A completion's logprobs object for tokens and their (logprob, alternatives), None where unknown."""
@@ -150,15 +164,25 @@ class Api:
                             for i, lp in zip(ids, lps)]}
 
 
-class Request:
-    """One POST's generations (its n choices): the reply whole, or as server-sent event payloads."""
+@dataclass
+class Choice:
+    """One choice of a request: its prompt's token ids (scored and prepended where echoed) and its generation
+    (None: the prompt echoed alone)."""
+    ids: list
+    echo: bool
+    stream: object = None
 
-    def __init__(self, api, chat, streams, logprobs, echo_ids):
-        self.api, self.chat, self.streams, self.logprobs, self.echo_ids = api, chat, streams, logprobs, echo_ids
+
+class Request:
+    """One POST's choices (n per prompt), each a generation of its own: the reply whole, or as server-sent event
+    payloads."""
+
+    def __init__(self, api, chat, choices, logprobs, prompt_tokens):
+        self.api, self.chat, self.choices, self.logprobs = api, chat, choices, logprobs
+        self.prompt_tokens = prompt_tokens  # each prompt's once
         self.kind = "chat.completion" if chat else "text_completion"
-        self.n = max(1, len(streams))
         self.closed = threading.Event()  # set: the choices' threads stop after their current token
-        self.runner = None  # the thread running a streamed reply's choices (n > 1)
+        self.runner = None  # the thread running a streamed reply's choices (more than one)
 
     def close(self):
         """End every choice's generation (each parks or frees its sequence, finished or not): after the threads
@@ -166,83 +190,82 @@ class Request:
         self.closed.set()
         if self.runner is not None:
             self.runner.join()
-        for s in self.streams:
-            s.close()
+        for c in self.choices:
+            if c.stream is not None:
+                c.stream.close()
 
-    def _echo(self):
-        """A completion's prompt as its text and its tokens' (logprob, alternatives) (the first has none): scored."""
-        ids, api = self.echo_ids, self.api
-        if self.logprobs is None:
-            return api.eng.tokenizer.decode(ids), ids, None
-        logits = api.eng.score(ids)
-        return api.eng.tokenizer.decode(ids), ids, [None] + [log_probs(logits[i - 1], ids[i], self.logprobs)
-                                                            for i in range(1, len(ids))]
+    def _echoes(self):
+        """Each echoed prompt (by its ids' identity) as its text and its tokens' (logprob, alternatives) (the first
+        has none): scored once, however many choices it has."""
+        out, tok = {}, self.api.eng.tokenizer
+        for c in self.choices:
+            if c.echo and id(c.ids) not in out:
+                lps = None
+                if self.logprobs is not None:
+                    logits = self.api.eng.score(c.ids)
+                    lps = [None] + [log_probs(logits[i - 1], c.ids[i], self.logprobs) for i in range(1, len(c.ids))]
+                out[id(c.ids)] = tok.decode(c.ids), c.ids, lps
+        return out
 
-    def _usage(self, results, prompt_tokens=0):
-        """The prompt's tokens once, every choice's completion tokens."""
-        prompt = results[0].timings.get("prompt_tokens", 0) if results else prompt_tokens
-        done = sum(len(r.token_ids) for r in results)
-        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+    def _usage(self):
+        """Each prompt's tokens once, every choice's completion tokens."""
+        done = sum(len(c.stream.result.token_ids) for c in self.choices if c.stream is not None)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
+                "total_tokens": self.prompt_tokens + done}
 
     def _at_once(self, work):
-        """work(i, stream) for every choice, each in a thread of its own but the first (their generations decode
+        """work(i, choice) for every choice, each in a thread of its own but the first (their generations decode
         together); the first error raised again here."""
         errors = []
 
-        def run(i, s):
+        def run(i, c):
             try:
-                work(i, s)
+                work(i, c)
             except BaseException as e:  # noqa: BLE001 -- raised again in the request's thread
                 errors.append(e)
                 self.closed.set()
-        threads = [threading.Thread(target=run, args=(i, s), daemon=True) for i, s in enumerate(self.streams)][1:]
+        threads = [threading.Thread(target=run, args=(i, c), daemon=True) for i, c in enumerate(self.choices)][1:]
         for t in threads:
             t.start()
-        if self.streams:
-            run(0, self.streams[0])
+        run(0, self.choices[0])
         for t in threads:
             t.join()
         if errors:
             raise errors[0]
 
-    def _drain(self, i, stream):
-        for _ in stream:
+    def _drain(self, i, choice):
+        for _ in choice.stream or ():
             if self.closed.is_set():
                 break
 
     def reply(self, created, rid):
         """The whole reply, once every choice's generation ends."""
-        text, ids, lps, usage = "", [], [], None
-        if self.echo_ids is not None:
-            text, ids, lps = self._echo()
-            usage = self._usage([], len(ids))
+        echoes = self._echoes()
         self._at_once(self._drain)
         choices = []
-        for i, s in enumerate(self.streams or [None]):
-            r = s.result if s else None
-            c_text, c_ids = text + (r.text if r else ""), ids + (r.token_ids if r else [])
-            c_lps = (lps or []) + (r.logprobs or [] if r else [])
+        for i, c in enumerate(self.choices):
+            text, ids, lps = echoes[id(c.ids)] if c.echo else ("", [], [])
+            r = c.stream.result if c.stream is not None else None
+            if r is not None:
+                text, ids, lps = text + r.text, ids + r.token_ids, (lps or []) + (r.logprobs or [])
             if self.chat:
-                choice = {"message": {"role": "assistant", "content": c_text},
-                          "logprobs": None if self.logprobs is None else self.api.chat_pieces(c_ids, c_lps)}
+                choice = {"message": {"role": "assistant", "content": text},
+                          "logprobs": None if self.logprobs is None else self.api.chat_pieces(ids, lps)}
             else:
-                choice = {"text": c_text,
-                          "logprobs": None if self.logprobs is None else self.api.pieces(c_ids, c_lps)}
+                choice = {"text": text, "logprobs": None if self.logprobs is None else self.api.pieces(ids, lps)}
             choices.append({"index": i, **choice, "finish_reason": FINISH[r.finish_reason if r else "length"]})
-        if self.streams:
-            usage = self._usage([s.result for s in self.streams])
         return {"id": rid, "object": self.kind, "created": created, "model": self.api.name, "choices": choices,
-                "usage": usage}
+                "usage": self._usage()}
 
     def chunks(self, created, rid):
         """The reply as server-sent event payloads, each choice's (a completion's echoed prompt first) as its
-        tokens come, its last carrying its finish reason; the usage on the last chunk of one choice, or on a
-        chunk of its own after n."""
+        tokens come, its last carrying its finish reason; the usage on the last chunk of a single choice, or on a
+        chunk of its own after several."""
         base = {"id": rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": created, "model": self.api.name}
-        echo = self._echo() if self.echo_ids is not None else None
+        echoes = self._echoes()
 
-        def choice_chunks(i, stream):
+        def choice_chunks(i, c):
             first = True
 
             def chunk(text, ids, lps, finish=None):
@@ -255,37 +278,33 @@ class Request:
                     part = {"text": text, "logprobs": None if self.logprobs is None else self.api.pieces(ids, lps)}
                 first = False
                 return {**base, "choices": [{"index": i, **part, "finish_reason": finish}]}
-            if echo is not None:
-                text, ids, lps = echo
+            if c.echo:
+                text, ids, lps = echoes[id(c.ids)]
                 yield chunk(text, ids, lps or [None] * len(ids))
             reason = "length"
-            if stream is not None:
-                for ev in stream:
+            if c.stream is not None:
+                for ev in c.stream:
                     if self.closed.is_set():
                         return
                     if ev.text or first or ev.logprob:
                         yield chunk(ev.text, [ev.token_id], [ev.logprob])
-                reason = stream.result.finish_reason
+                reason = c.stream.result.finish_reason
             yield chunk("", [], [], FINISH[reason])
-        if self.n == 1:
-            stream = self.streams[0] if self.streams else None
+        if len(self.choices) == 1:
             last = None
-            for last in choice_chunks(0, stream):
+            for last in choice_chunks(0, self.choices[0]):
                 if last["choices"][0]["finish_reason"] is None:
                     yield last
-            results = [stream.result] if stream else []
-            yield {**last, "usage": self._usage(results, len(echo[1]) if echo else 0)}
+            yield {**last, "usage": self._usage()}
             return
-        out = queue.Queue()
-        done = object()
+        out, done, failed = queue.Queue(), object(), []
 
-        def work(i, stream):
+        def work(i, c):
             try:
-                for c in choice_chunks(i, stream):
-                    out.put(c)
+                for part in choice_chunks(i, c):
+                    out.put(part)
             finally:
                 out.put(done)
-        failed = []
 
         def run_all():
             try:
@@ -295,16 +314,16 @@ class Request:
         self.runner = threading.Thread(target=run_all, daemon=True)
         self.runner.start()
         ended = 0
-        while ended < self.n:
-            c = out.get()
-            if c is done:
+        while ended < len(self.choices):
+            part = out.get()
+            if part is done:
                 ended += 1
             else:
-                yield c
+                yield part
         self.runner.join()
         if failed:
             raise failed[0]
-        yield {**base, "choices": [], "usage": self._usage([s.result for s in self.streams])}
+        yield {**base, "choices": [], "usage": self._usage()}
 
 
 class Handler(BaseHTTPRequestHandler):

@@ -124,6 +124,7 @@ def test_n_choices_are_generations_of_their_own_decoded_together(served, monkeyp
     ({"prompt": "Hi", "logprobs": -1}, "logprobs must be a whole number >= 0"),
     ({"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 2}, "top_logprobs needs logprobs: true"),
     ({"prompt": {"text": "Hi"}}, "prompt must be a string or a list of token ids"),
+    ({"prompt": ["a", "b", "c"], "n": 2}, "3 prompts x n = 6 generations; at most 4 at once"),
     ({"prompt": ""}, "the prompt is empty"),
     ({"prompt": "", "echo": True, "max_tokens": 0}, "the prompt has 0 tokens; echo scores 1 to max_context"),
     ({"prompt": "Hi", "stop": [""]}, "stop is a non-empty string or a list of them"),
@@ -175,6 +176,28 @@ def test_echo_scores_the_prompt(served):
     assert choice["logprobs"]["token_logprobs"][0] is None
     assert np.allclose(choice["logprobs"]["token_logprobs"][1:], want, atol=1e-4)
     assert got["usage"]["prompt_tokens"] == len(ids) and got["usage"]["completion_tokens"] == 0
+
+
+def test_a_batch_of_prompts(served):
+    """A completion's list of prompts (lm-evaluation-harness batches its requests so): n choices per prompt, in
+    order, each the engine's generation; echoed and scored, each prompt's log probabilities its own."""
+    eng, port = served
+    prompts = ["Once upon a time", eng.tokenizer.encode("The three primary colors are")]
+    status, got = request(port, "POST", "/v1/completions", {"prompt": prompts, "n": 2, "max_tokens": 10,
+                                                           "temperature": 0})
+    want = [eng.generate(p, max_tokens=10).text for p in prompts]
+    assert status == 200 and [c["text"] for c in got["choices"]] == [want[0], want[0], want[1], want[1]]
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2, 3]
+    assert got["usage"]["prompt_tokens"] == sum(len(eng.encode(p)) for p in prompts)
+    texts = ["Paris is the capital of France.", "Water boils at 100 degrees."]
+    status, got = request(port, "POST", "/v1/completions", {"prompt": texts, "max_tokens": 0, "echo": True,
+                                                           "logprobs": 1})
+    for choice, text in zip(got["choices"], texts):
+        ids = eng.tokenizer.encode(text)
+        want = [log_softmax(row)[t] for row, t in zip(eng.score(ids)[:-1], ids[1:])]
+        assert choice["text"] == eng.tokenizer.decode(ids)
+        assert np.allclose(choice["logprobs"]["token_logprobs"][1:], want, atol=1e-4)
+    assert status == 200 and len(got["choices"]) == 2
 
 
 def test_chat_logprobs_streamed_and_whole(served):
