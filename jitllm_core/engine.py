@@ -604,12 +604,12 @@ class Engine:
             self._waiting_cv.wait_for(lambda: len(self._waiting) >= min(self._decoding, self.model.batch), BATCH_WAIT)
             batch, self._waiting[:self.model.batch] = self._waiting[:self.model.batch], []
         ready = []
-        for w in batch:
+        for w in batch:  # every step taken from the queue ends done, with logits or an error: its thread waits on it
             try:
                 self._check_step(w.seq, [w.token])
                 self._ensure_pages(w.seq, w.seq.n, w.seq.n + 1)
                 ready.append(w)
-            except JitllmError as e:
+            except Exception as e:  # noqa: BLE001 -- its generation raises it
                 w.error = e
         try:
             if len(ready) == 1:
