@@ -119,7 +119,8 @@ class Llama:
         moe = {"router": ("f32", T * c.experts), "sel": ("i32", T * c.experts_used),
                "wt": ("f32", T * c.experts_used), "hq": ("u8", T * ffn * self.digits),
                "hd": ("f32", T * ffn // 32), "hs": ("f32", T * ffn // 16)} if c.experts else {}
-        return {**moe, "tok": ("i32", T), "tpos": ("i32", self.batch), "x": ("f32", T * c.dim), "xn": ("f32", T * c.dim), "q": ("f32", T * q),
+        return {**moe, "tok": ("i32", T), "tpos": ("i32", self.batch), "x": ("f32", T * c.dim),
+                "xn": ("f32", T * c.dim), "q": ("f32", T * q),
                 "k": ("f32", T * kv), "v": ("f32", T * kv), "att": ("f32", T * q), "g": ("f32", T * ffn),
                 "u": ("f32", T * ffn), "h": ("f32", T * ffn), "logits": ("f32", T * c.vocab),
                 # an output before it joins x, normed or scaled
@@ -325,6 +326,7 @@ class Llama:
         p, q, kv = f"blk.{unit}.", c.n_head * c.head_dim, c.n_kv * c.head_dim
         b = (lambda n: p + n + ".bias") if c.bias else (lambda n: None)
         cache = dict(page=self.page, n_pages=self.pool_pages(unit), max_pages=self.n_pages, kv_dtype=self.kv_dtype)
+        batched = self.batch if batch else 0  # the position ops' batch size (0: one sequence's step)
         kvb = {"ptab": "kv:bptab", "tpos": "a:tpos"} if batch else {"ptab": "kv:ptab"}
         kvb.update(kc="kv:k", vc="kv:v")
         mm = functools.partial(self._mm, prefill=prefill, interleave=interleave, tile=tile, batch=batch)
@@ -361,12 +363,16 @@ class Llama:
             return [LaunchTemplate(norm, {"x": "a:x", "w": f"w:{p}{name}.weight", "out": "a:xn"}, scalars)
                     ] if c.pre_norm else []
 
+        def gated(name, width, matmul=mm_wanted):
+            """The MLP's gate and up projections of src (`name`: "ffn", an expert's "ffn_*_exps", the shared
+            expert's "ffn_*_shexp"), width wide, through `matmul`, activated into h."""
+            return [*matmul(p + name.replace("*", "gate") + ".weight", src, "g", width, c.dim),
+                    *matmul(p + name.replace("*", "up") + ".weight", src, "u", width, c.dim),
+                    LaunchTemplate(act(width, T), {"g": "a:g", "u": "a:u", "h": "a:h"}, only_wanted)]
+
         def mlp():
             if not c.experts:
-                return [*inputs(src, c.dim, "ffn_gate", "ffn_up"),
-                        *mm_wanted(p + "ffn_gate.weight", src, "g", c.ffn, c.dim),
-                        *mm_wanted(p + "ffn_up.weight", src, "u", c.ffn, c.dim),
-                        LaunchTemplate(act(c.ffn, T), {"g": "a:g", "u": "a:u", "h": "a:h"}, only_wanted),
+                return [*inputs(src, c.dim, "ffn_gate", "ffn_up"), *gated("ffn_*", c.ffn),
                         *inputs("h", c.ffn, "ffn_down"),
                         *joined("ffn_down", "h", c.dim, c.ffn)]
             # a mixture of experts: its input quantized once, the router's logits and choice, then each slot's
@@ -379,17 +385,13 @@ class Llama:
                                   {"r": "a:router", "sel": "a:sel", "wt": "a:wt"}, only_wanted)]
             for j in range(c.experts_used):
                 expert = functools.partial(mm, scalars=only_wanted, slot=j)
-                out += [*expert(p + "ffn_gate_exps.weight", src, "g", c.ffn, c.dim),
-                        *expert(p + "ffn_up_exps.weight", src, "u", c.ffn, c.dim),
-                        LaunchTemplate(act(c.ffn, T), {"g": "a:g", "u": "a:u", "h": "a:h"}, only_wanted),
+                out += [*gated("ffn_*_exps", c.ffn, expert),
                         *inputs("h", c.ffn, "ffn_down_exps", into="h"),
                         *expert(p + "ffn_down_exps.weight", "h", "y", c.dim, c.ffn, into="h"),
                         LaunchTemplate(ops.add(c.dim, T, c.residual_scale, used=c.experts_used),
                                        {"y": "a:y", "wt": "a:wt", "x": "a:x"}, {**only_wanted, "slot": f"slot{j}"})]
             if c.shared_ffn:
-                out += [*mm_wanted(p + "ffn_gate_shexp.weight", src, "g", c.shared_ffn, c.dim),
-                        *mm_wanted(p + "ffn_up_shexp.weight", src, "u", c.shared_ffn, c.dim),
-                        LaunchTemplate(act(c.shared_ffn, T), {"g": "a:g", "u": "a:u", "h": "a:h"}, only_wanted),
+                out += [*gated("ffn_*_shexp", c.shared_ffn),
                         *inputs("h", c.shared_ffn, "ffn_down_shexp", into="h"),
                         *mm_wanted(p + "ffn_down_shexp.weight", "h", "y", c.dim, c.shared_ffn, into="h"),
                         LaunchTemplate(ops.add_gated(c.dim, T), {"y": "a:y", "xin": f"a:{src}", "x": "a:x",
@@ -403,14 +405,14 @@ class Llama:
             *mm(p + "attn_v.weight", src, "v", kv, c.dim, bias=b("attn_v")),
             *qk_norms,
             *([] if unit in c.nope_layers else [  # SmolLM3's layers without rope
-                LaunchTemplate(ops.rope(heads, c.head_dim, T, self.positions, self.batch if batch else 0),
+                LaunchTemplate(ops.rope(heads, c.head_dim, T, self.positions, batched),
                                {"q": f"a:{x}", "rot": rot, **({"tpos": "a:tpos"} if batch else {})}, scalars)
                 for x, heads, scalars in (("q", c.n_head, only_wanted), ("k", c.n_kv, EVERY_TOKEN))]),
-            LaunchTemplate(ops.kv_store(c.n_kv, c.head_dim, T, **cache, batched=self.batch if batch else 0),
+            LaunchTemplate(ops.kv_store(c.n_kv, c.head_dim, T, **cache, batched=batched),
                            {"k": "a:k", "v": "a:v", **kvb}),
             LaunchTemplate(ops.attention(c.n_head, c.n_kv, c.head_dim, T, **cache, wide=not interleave,
                                          window=window, scale=c.attn_scale or None, softcap=c.attn_softcap,
-                                         batched=self.batch if batch else 0),
+                                         batched=batched),
                            {"q": "a:q", "s": "a:scores", "out": "a:att", **kvb}, only_wanted),
             *inputs("att", q, "attn_output"),
             *joined("attn_output", "att", c.dim, q),
