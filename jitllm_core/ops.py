@@ -545,11 +545,8 @@ def attention(n_head: int, n_kv: int, head_dim: int, T: int, page: int, n_pages:
         return k.finish()
     with k.parallel("tk", (n - t0) * n_kv) as tk:
         t, kvh = k.let("t", t0 + tk // n_kv), tk % n_kv
-        if batched:
-            at = k.let("at", position(t))
-            keys, pages = at + 1, (at + page) // page
-        else:
-            keys, pages = position(t) + 1, (position(t) + page) // page
+        at = k.let("at", position(t)) if batched else position(t)  # (pos + t: an expression, as before batches)
+        keys, pages = at + 1, (at + page) // page
         first = k.let("first", ir.vmax(keys - window, 0)) if window else 0  # the first key it sees ...
         p0 = k.let("p0", first // page) if window else 0  # ... on its page: the pages before are not read
         # where each head's q and scores start
