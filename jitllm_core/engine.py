@@ -133,8 +133,7 @@ class UnitState:
         self.unit, self.device, self.residency = unit, device_name, residency
         self.kv = None          # {"k": Buffer, "v": Buffer, "ptab": Buffer, "bptab": Buffer}
         self.pool = None        # PagePool
-        self.ptab_for = None    # (sequence id, pages) currently uploaded
-        self.bptab_for = None   # the same of a batched step's sequences (bptab: a page table per token)
+        self.tables_for = {}    # "ptab" / "bptab" -> the sequences and page counts of the tables uploaded there
 
 
 class _Waiting:
@@ -476,16 +475,19 @@ class Engine:
                     self._release(self.parked.pop(0).seq)
                 pages.append(st.pool.alloc())
 
-    def _upload_ptabs(self, seq):
+    def _upload_tables(self, seqs, name):
+        """Every layer's page tables of seqs, a row of the KV buffer `name` each ("ptab": one sequence's step;
+        "bptab": a batched step's, a row per token), where they changed since the last upload there."""
         for u, st in self.units.items():
             if st.pool is None:
                 continue
-            key = (seq.id, len(seq.pages[u]), st.kv["ptab"])
-            if st.ptab_for != key:
-                # a freed page's entry is never read (the window starts after it)
-                table = np.asarray([0 if p is None else p for p in seq.pages[u]], np.int32)
-                self.devices[st.device].upload(st.kv["ptab"], table)
-                st.ptab_for = key
+            key = (tuple((seq.id, len(seq.pages[u])) for seq in seqs), st.kv[name])
+            if st.tables_for.get(name) != key:
+                table = np.zeros((len(seqs), self.model.n_pages), np.int32)  # rows as the kernels' stride
+                for row, seq in zip(table, seqs):  # a freed page's entry is never read (the window starts after it)
+                    row[:len(seq.pages[u])] = [0 if p is None else p for p in seq.pages[u]]
+                self.devices[st.device].upload(st.kv[name], table)
+                st.tables_for[name] = key
 
     def _check_step(self, seq, tokens):
         """Raise what running tokens at positions seq.n.. would fail on. Lock held."""
@@ -501,9 +503,13 @@ class Engine:
     def _step(self, seq, tokens, t0):
         """Run tokens at positions seq.n.. through every segment; returns logits rows [t0, n). Lock held."""
         self._check_step(seq, tokens)
+        self._ensure_pages(seq, seq.n, seq.n + len(tokens))
+        return self._step_ready(seq, tokens, t0)
+
+    def _step_ready(self, seq, tokens, t0):
+        """`_step` once its tokens are checked and its pages there."""
         n, pos = len(tokens), seq.n
-        self._ensure_pages(seq, pos, pos + n)
-        self._upload_ptabs(seq)
+        self._upload_tables([seq], "ptab")
         logits = self._run(tokens, {"pos": pos, "n_tokens": n, "t0": t0},
                            (lambda seg: seg.prefill) if n > 1 else (lambda seg: seg.program))
         seq.n += n
@@ -513,16 +519,7 @@ class Engine:
     def _step_batch(self, seqs, tokens):
         """One decode step of several sequences, token i at the end of seqs[i] (each checked, its pages there:
         `_run_waiting`), every weight read once for all; returns their logits rows. Lock held."""
-        for u, st in self.units.items():
-            if st.pool is None:
-                continue
-            key = (tuple((seq.id, len(seq.pages[u])) for seq in seqs), st.kv["bptab"])
-            if st.bptab_for != key:  # each token's row: its sequence's page table (`_upload_ptabs`)
-                table = np.zeros((len(seqs), self.model.n_pages), np.int32)
-                for row, seq in zip(table, seqs):
-                    row[:len(seq.pages[u])] = [0 if p is None else p for p in seq.pages[u]]
-                self.devices[st.device].upload(st.kv["bptab"], table)
-                st.bptab_for = key
+        self._upload_tables(seqs, "bptab")
         positions = np.asarray([seq.n for seq in seqs], np.int32)
         for d in {st.device for st in self.units.values() if st.pool is not None}:
             self.dev_state[d].dev.upload(self.dev_state[d].acts["tpos"], positions)
@@ -613,7 +610,7 @@ class Engine:
                 w.error = e
         try:
             if len(ready) == 1:
-                ready[0].logits = self._step(ready[0].seq, [ready[0].token], 0)
+                ready[0].logits = self._step_ready(ready[0].seq, [ready[0].token], 0)
             elif ready:
                 for w, row in zip(ready, self._step_batch([w.seq for w in ready], [w.token for w in ready])):
                     w.logits = row[None]

@@ -208,7 +208,7 @@ class Migration:
                 st = eng.units[u]
                 st.device, st.residency = self.target, "resident"
                 if u in self.staged:
-                    st.kv, st.pool, st.ptab_for = self.staged[u]["kv"], self.staged[u]["pool"], None
+                    st.kv, st.pool, st.tables_for = self.staged[u]["kv"], self.staged[u]["pool"], {}
                     for seq in eng.sequences.values():
                         if u in seq.pages:
                             head = self.prefix.get((seq.id, u), [])
