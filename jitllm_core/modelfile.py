@@ -95,9 +95,7 @@ class ModelFile(_Tensors):
             eps=f"{arch}.attention.layer_norm_rms_epsilon", rope_base=f"{arch}.rope.freq_base",
             context=f"{arch}.context_length", rope_dim=f"{arch}.rope.dimension_count"))
         archs.gguf_features(self.config, arch, p, self.path)
-        # a mixture's experts, [experts, rows, cols] in the file: their matrices one after another
-        self.tensors = {n: Tensor(n, (t.shape[0] * t.shape[1], *t.shape[2:]) if archs.experts_tensor(n) and
-                                  len(t.shape) == 3 else t.shape, t.type_name, (lambda n=n: g.raw(n)))
+        self.tensors = {n: Tensor(n, _read_shape(n, t.shape), t.type_name, (lambda n=n: g.raw(n)))
                         for n, t in g.tensors.items()}
         self._split_fused(arch == "phi3")
         _refuse_unused(self.path, set(self.tensors) - self.tensor_names())
@@ -258,17 +256,21 @@ class ModelFile(_Tensors):
                               context="max_position_embeddings", rope_dim="partial_rotary_factor"))
         self.tensors, used = {}, set()
 
-        def add(gguf_name, hf_name):
+        def read(gguf_name, hf_name):
+            """The file's tensor hf_name as the builder reads gguf_name (`_read_shape`), or None if absent."""
             t = st.tensors.get(hf_name)
+            if t is None:
+                return None
+            used.add(hf_name)
+            return Tensor(gguf_name, _read_shape(gguf_name, t.shape), t.type_name, lambda: st.raw(hf_name))
+
+        def add(gguf_name, hf_name):
+            t = read(gguf_name, hf_name)
             if t is not None:
-                used.add(hf_name)
-                raw, kind = (lambda t=t: st.raw(t.name)), t.type_name
                 if gemma and gguf_name.endswith("norm.weight"):  # Gemma's norms scale by 1 + w; GGUF files hold 1 + w
-                    raw = lambda t=t: (_as_f32(st.raw(t.name), t.type_name, hf_name) + 1).view(np.uint8)
-                    kind = "F32"
-                shape = (t.shape[0] * t.shape[1], *t.shape[2:]) if archs.experts_tensor(gguf_name) else \
-                    (t.shape[-1],) if gguf_name.endswith("gate_inp_shexp.weight") else t.shape  # [1, dim]: a vector
-                self.tensors[gguf_name] = Tensor(gguf_name, shape, kind, raw)
+                    t = Tensor(gguf_name, t.shape, "F32",
+                               lambda raw=t.raw, kind=t.type_name: (_as_f32(raw(), kind, hf_name) + 1).view(np.uint8))
+                self.tensors[gguf_name] = t
         add("token_embd.weight", "model.embed_tokens.weight")
         add("output_norm.weight", "model.norm.weight")
         add("output.weight", "lm_head.weight")
@@ -284,13 +286,16 @@ class ModelFile(_Tensors):
                 router, gate_up, down = archs.MOE_HF_STACKED[c["model_type"]]
                 add(f"blk.{i}.ffn_gate_inp.weight", f"model.layers.{i}.{router}.weight")
                 add(f"blk.{i}.ffn_down_exps.weight", f"model.layers.{i}.{down}.weight")
-                t = st.tensors.get(f"model.layers.{i}.{gate_up}.weight")
-                if t is not None:
-                    used.add(t.name)
+                both = read(f"blk.{i}.ffn_gate_up_exps.weight", f"model.layers.{i}.{gate_up}.weight")
+                if both is not None:  # each expert's gate rows then its up rows: [experts x 2 x ffn, dim]
+                    if both.shape[0] % (2 * cfg.experts):
+                        raise ModelFileError(where, f"model.layers.{i}.{gate_up}.weight is {tuple(both.shape)}, "
+                                                    f"not {cfg.experts} experts' gate and up projections")
+                    rows = both.shape[0] // (2 * cfg.experts)
                     for j, g in enumerate(("ffn_gate_exps", "ffn_up_exps")):
-                        self.tensors[f"blk.{i}.{g}.weight"] = _expert_rows(
-                            Tensor(t.name, t.shape, t.type_name, lambda n=t.name: st.raw(n)), f"blk.{i}.{g}.weight",
-                            j, where)
+                        name = f"blk.{i}.{g}.weight"
+                        self.tensors[name] = _stacked(name, [_rows(both, name, (2 * e + j) * rows, rows)
+                                                             for e in range(cfg.experts)], where)
             elif cfg.experts:
                 for g, h in archs.SHARED_HF.items() if cfg.shared_ffn else ():
                     add(f"blk.{i}.{g}.weight", f"model.layers.{i}.{h}.weight")
@@ -299,10 +304,8 @@ class ModelFile(_Tensors):
                 for g, part in zip(archs.EXPERTS, parts):
                     hf = [f"model.layers.{i}.{expert.format(e=e)}{part}.weight" for e in range(cfg.experts)]
                     if all(n in st.tensors for n in hf):
-                        used.update(hf)
-                        self.tensors[f"blk.{i}.{g}.weight"] = _stacked(
-                            f"blk.{i}.{g}.weight", [Tensor(n, st.tensors[n].shape, st.tensors[n].type_name,
-                                                           (lambda n=n: st.raw(n))) for n in hf], where)
+                        self.tensors[f"blk.{i}.{g}.weight"] = _stacked(f"blk.{i}.{g}.weight",
+                                                                       [read(n, n) for n in hf], where)
         self._split_fused(c["model_type"] == "phi3")
         self._rope_pairs()
         # older checkpoints saved the rotary frequencies, which are computed from the config instead
@@ -351,16 +354,13 @@ def _rows(t, name, start, rows):
     return Tensor(name, (rows, *t.shape[1:]), t.type_name, raw)
 
 
-def _expert_rows(t, name, half, where):
-    """Half `half` (0 or 1) of each expert's rows of a stacked [experts, 2 x rows, cols] tensor (Granite's gate
-    and up projections in one), the experts' halves one after another as one tensor."""
-    if len(t.shape) != 3 or t.shape[1] % 2:
-        raise ModelFileError(where, f"tensor {t.name!r} is {tuple(t.shape)}; [experts, 2 x ffn, dim] is needed")
-    experts, rows = t.shape[0], t.shape[1] // 2
-
-    def raw():
-        return t.raw().reshape(experts, 2, -1)[:, half].reshape(-1)
-    return Tensor(name, (experts * rows, t.shape[2]), t.type_name, raw)
+def _read_shape(name, shape):
+    """The shape the builder reads a (GGUF-named) tensor in: a mixture's experts, [experts, rows, cols] in a file,
+    as their matrices one after another; a [1, n] vector (Qwen2-MoE's shared expert's gate, as transformers holds
+    it) as [n]."""
+    if archs.experts_tensor(name) and len(shape) == 3:
+        return shape[0] * shape[1], *shape[2:]
+    return (shape[-1],) if name.endswith("gate_inp_shexp.weight") else tuple(shape)
 
 
 def _stacked(name, parts, where):
