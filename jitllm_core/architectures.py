@@ -24,10 +24,9 @@ QK_NORMS = {"qwen3": "head", "qwen3moe": "head", "qwen3_moe": "head", "olmoe": "
 # llama.cpp computes a GGUF file (Mixtral's are llama files with experts); config.json's norm_topk_prob says
 MOE_GGUF = {"llama": True, "qwen3moe": True, "olmoe": False, "granitemoe": True, "qwen2moe": False}
 # config.json's -> (its router, an expert's prefix, the expert's gate, up and down projections), under model.layers.i
+_MLP_EXPERTS = ("mlp.gate", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj"))  # Qwen's, OLMoE's
 MOE_HF = {"mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts.{e}.", ("w1", "w3", "w2")),
-          "qwen3_moe": ("mlp.gate", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj")),
-          "olmoe": ("mlp.gate", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj")),
-          "qwen2_moe": ("mlp.gate", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj"))}
+          **dict.fromkeys(("qwen3_moe", "olmoe", "qwen2_moe"), _MLP_EXPERTS)}
 # a shared expert (Qwen2-MoE's: every token's, gated by sigmoid(x . w)): its tensors under model.layers.i
 SHARED_HF = {"ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
              "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}

@@ -75,8 +75,8 @@ def run(model=None, devices=None, kv_dtype="f16", threads=(1, 2), sequences=(1, 
             tok_s = statistics.median(runs[n])
             results.append({"threads": n_threads, "sequences": n, "decode_tok_s": tok_s, "llama_cpp_tok_s": peer_tok_s,
                             "batched_steps": batched[n]})
-            rows.append([n_threads, n, f"{tok_s:.1f}", f"{tok_s / n:.1f}", f"{tok_s / one:.2f}x",
-                         f"{peer_tok_s:.1f}" if peer_tok_s else "-", f"{tok_s / peer_tok_s:.2f}x" if peer_tok_s else "-"])
+            peer_cells = [f"{peer_tok_s:.1f}", f"{tok_s / peer_tok_s:.2f}x"] if peer_tok_s else ["-", "-"]
+            rows.append([n_threads, n, f"{tok_s:.1f}", f"{tok_s / n:.1f}", f"{tok_s / one:.2f}x", *peer_cells])
     print(f"model: {eng.model_path}\n{prompt_tokens}-token prompt, {decode_tokens} decode steps per generation; "
           f"medians of {repeats} runs after a warm-up", file=out)
     print_table(["threads", "sequences", "decode tok/s", "per sequence", "x one", "llama.cpp one", "ratio"], rows,

@@ -4,9 +4,9 @@ POST /v1/chat/completions and /v1/completions (whole replies, or server-sent eve
 log probabilities, and a completion's prompt echoed with its own: what evaluation harnesses ask), GET /v1/models
 and /health. Each request runs in its own thread; the engine decodes the requests' replies together (the decode
 steps they wait for at once run as one batched step, up to `--max-sequences` of them; prompts take their steps in
-turn), so replies stream side by side -- and so do a request's `n` choices, each a generation of its own. A request's options are checked before any token (400, naming the
-option); a client that goes away mid-stream ends its generation (its sequence parked for the prompt cache, as
-any finished one).
+turn), so replies stream side by side -- and so do a request's `n` choices, each a generation of its own. A
+request's options are checked before any token (400, naming the option); a client that goes away mid-stream
+ends its generations (their sequences parked for the prompt cache, as any finished one's).
 """
 from __future__ import annotations
 
