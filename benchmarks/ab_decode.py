@@ -64,7 +64,7 @@ def main():
         apply(v)
         context = max(512, args.prompt_tokens + args.decode_tokens + 1)  # a long prompt's decode measured too
         eng = jl.Engine(args.model, devices=["cpu"], threads=args.threads, max_context=context,
-                        activations=args.activations)
+                        activations=args.activations, speculate=0)
         ids = bench.prompt_ids(eng.tokenizer, args.prompt_tokens)
         bench.jitllm_once(eng, ids, 2)  # warm-up
         engines.append((v, eng))

@@ -58,10 +58,11 @@ def jitllm_once(eng, ids, steps) -> tuple[float, float]:
 class LlamaCpp:
     """llama.cpp through llama-cpp-python, timed the same way: prefill, then greedy single-token steps."""
 
-    def __init__(self, path, threads, n_ctx):
+    def __init__(self, path, threads, n_ctx, logits_all=False):
         from llama_cpp import Llama
 
-        self.llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, verbose=False)
+        self.llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
+                         logits_all=logits_all, verbose=False)
 
     def next_token(self):
         """Greedy: the argmax of the last evaluated token's logits, read from the context (llama-cpp-python keeps
@@ -85,7 +86,7 @@ class LlamaCpp:
         self.llm.close()
 
 
-def open_llama_cpp(path, threads, n_ctx):
+def open_llama_cpp(path, threads, n_ctx, logits_all=False):
     """A LlamaCpp, or None (with a note why) when llama-cpp-python is missing or cannot load the file."""
     try:
         import llama_cpp  # noqa: F401
@@ -97,7 +98,7 @@ def open_llama_cpp(path, threads, n_ctx):
         print(f"llama.cpp: not measured ({path} is not a GGUF file)", file=sys.stderr)
         return None
     try:
-        return LlamaCpp(path, threads, n_ctx)
+        return LlamaCpp(path, threads, n_ctx, logits_all)
     except Exception as e:  # llama-cpp-python raises ValueError, RuntimeError, ... for files it cannot load
         print(f"llama.cpp: not measured (it could not load {path}: {e})", file=sys.stderr)
         return None
@@ -139,9 +140,10 @@ def run_bench(model=None, devices=None, kv_dtype="f16", threads=(1, 2), prompt_t
     results, model_path = [], None
     for n in threads:
         print(f"bench: {n} thread(s): loading, measuring read bandwidth, warming up ...", file=sys.stderr)
-        # no prompt cache: each run computes its whole prompt, as llama.cpp's (reset before each) does
+        # no prompt cache: each run computes its whole prompt, as llama.cpp's (reset before each) does; no drafts:
+        # decode steps of one token, as llama.cpp's (`bench speculate` measures them)
         eng = Engine(model=model, devices=devices or ["cpu"], threads=n, kv_dtype=kv_dtype, activations=activations,
-                     prompt_cache=False)
+                     prompt_cache=False, speculate=0)
         peer = None
         try:
             model_path = eng.model_path

@@ -51,7 +51,7 @@ def run(model=None, devices=None, kv_dtype="f16", threads=(1, 2), sequences=(1, 
     for n_threads in threads:
         print(f"bench batch: {n_threads} thread(s): loading, warming up ...", file=sys.stderr)
         eng = Engine(model=model, devices=devices or ["cpu"], threads=n_threads, kv_dtype=kv_dtype,
-                     activations=activations, max_sequences=max(sequences), prompt_cache=False)
+                     activations=activations, max_sequences=max(sequences), prompt_cache=False, speculate=0)
         peer = None
         try:
             ids = prompt_ids(eng.tokenizer, prompt_tokens)

@@ -14,6 +14,8 @@ import time
 from collections import deque
 from pathlib import Path
 
+from .lookup import SPECULATE
+
 from .errors import JitllmError, check_whole
 from .plan_cli import add_plan_arguments, parse_mem, run_plan
 
@@ -57,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--n-device-layers", type=int, metavar="N",
                         help="llama.cpp's knob: N units on the best accelerator, the rest computed on the host")
     engine.add_argument("--max-context", type=int, metavar="N", help="KV cache positions (default: the model's, at most 8192)")
+    engine.add_argument("--speculate", type=int, default=SPECULATE, metavar="N",
+                        help="draft tokens from the context a decode step checks at once (prompt lookup; 0: off; "
+                             f"default {SPECULATE}); the reply is the same either way")
     threads = argparse.ArgumentParser(add_help=False)
     threads.add_argument("--threads", type=int, metavar="N", help="CPU threads (default: all cores)")
     sampling = argparse.ArgumentParser(add_help=False)
@@ -89,17 +94,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free one)")
     p.add_argument("--max-sequences", type=int, default=4, metavar="N",
                    help="requests decoded in one batched step, and whose sliding windows the KV cache holds at once "
-                        "(default 4)")
+                        "(default 4); a step's rows they leave take drafts")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("devices", help="backends and devices found, with the reason for any that is missing")
     p.set_defaults(func=cmd_devices)
 
     p = sub.add_parser("bench", parents=[engine], help="prompt and decode tokens/s, beside llama.cpp if installed; "
-                       "`bench batch`: several generations at once; `bench migrate`: pause time of live migration")
-    p.add_argument("what", nargs="?", choices=("speed", "batch", "migrate"), default="speed",
-                   help="speed (default): prompt and decode tokens/s; batch: decode tokens/s of --sequences "
-                        "generations at once; migrate: move all layers between devices")
+                       "`bench batch`: several generations at once; `bench speculate`: replies that quote their "
+                       "prompt, drafts checked or not; `bench migrate`: pause time of live migration")
+    p.add_argument("what", nargs="?", choices=("speed", "batch", "speculate", "migrate"), default="speed",
+                   help="speed (default): prompt and decode tokens/s (not speculating); batch: decode tokens/s of "
+                        "--sequences generations at once; speculate: decode tokens/s of replies with drafts of up "
+                        "to --speculate tokens and without; migrate: move all layers between devices")
     p.add_argument("--sequences", type=int, nargs="+", default=[1, 2, 4], metavar="N",
                    help="bench batch: generations at once (default 1 2 4)")
     p.add_argument("--profile", action="store_true",
@@ -156,7 +163,7 @@ def open_engine(args, max_sequences=1):
         return Engine(model=args.model, devices=args.device, threads=args.threads, kv_dtype=args.kv_dtype,
                       progress=bar, mem=parse_mem(args.mem), n_device_layers=args.n_device_layers,
                       max_context=args.max_context, activations=args.activations,
-                      max_sequences=max_sequences)
+                      max_sequences=max_sequences, speculate=args.speculate)
     finally:
         if bar:
             bar.clear()
@@ -401,6 +408,12 @@ def cmd_bench(args) -> int:
     if args.what == "migrate":
         from .bench_migrate import run
         run(model=args.model, histories=args.history)
+        return 0
+    if args.what == "speculate":
+        from .bench_speculate import run
+        run(model=args.model, devices=args.device, kv_dtype=args.kv_dtype, threads=args.threads,
+            speculate=args.speculate, decode_tokens=args.decode_tokens, repeats=args.repeats,
+            llama_cpp=args.llama_cpp, activations=args.activations)
         return 0
     if args.what == "batch":
         from .bench_batch import run

@@ -18,6 +18,7 @@ from . import faults, ir, ops, quant, registry, tuning
 from .errors import ContextLimitError, JitllmError, check_whole, is_whole
 from .kvcache import SEQUENCES, PagePool, Parked, Sequence, first_live_page
 from .llama import Llama, interleaves
+from .lookup import SPECULATE, Drafter
 from .memory import Arena
 from .modelfile import ModelFile
 from .models import default_model_path
@@ -137,10 +138,10 @@ class UnitState:
 
 
 class _Waiting:
-    """A generation's decode step, waiting to run (`Engine._decode`)."""
+    """A generation's decode step, waiting to run (`Engine._decode`): its token, then any draft's."""
 
-    def __init__(self, seq, token):
-        self.seq, self.token, self.logits, self.error = seq, token, None, None
+    def __init__(self, seq, tokens):
+        self.seq, self.tokens, self.logits, self.error = seq, tokens, None, None
 
     @property
     def done(self):
@@ -150,7 +151,7 @@ class _Waiting:
 class Engine:
     def __init__(self, model=None, devices=None, placement="auto", threads=None, kv_dtype="f16",
                  max_context=None, progress=None, mem=None, n_device_layers=None, activations="f32",
-                 max_sequences=SEQUENCES, prompt_cache=True):
+                 max_sequences=SEQUENCES, prompt_cache=True, speculate=SPECULATE):
         if kv_dtype not in ("f16", "f32"):
             raise JitllmError(f"kv_dtype must be 'f16' or 'f32', not {kv_dtype!r}")
         if activations not in ACTIVATION_DIGITS:
@@ -158,6 +159,7 @@ class Engine:
         for name, v in (("threads", threads), ("max_context", max_context), ("max_sequences", max_sequences)):
             if v is not None:  # None: all cores, the model's context (at most DEFAULT_CONTEXT)
                 check_whole(name, v, 1)
+        check_whole("speculate", speculate, 0)
         self.model_path = str(model) if model is not None else default_model_path()
         self.progress = progress or (lambda stage, done, total: None)
         self.mf = ModelFile(self.model_path)
@@ -167,7 +169,7 @@ class Engine:
         self.kv_dtype = kv_dtype
         n_pages = -(-self.max_context // PAGE)
         self.model = Llama(self.mf, STEP_TOKENS, PAGE, n_pages, kv_dtype, ACTIVATION_DIGITS[activations],
-                           max_sequences)
+                           max_sequences, batch=max(max_sequences, 1 + speculate))
         self.constants = self.model.constants_data()  # the rope tables
         self.devices = self._pick_devices(devices, threads)
         caps = {self._device_name(k): v for k, v in (mem or {}).items()}
@@ -179,6 +181,9 @@ class Engine:
         self._seq_ids = iter(range(1, 1 << 62))
         self.sequences = {}
         self.prompt_cache = prompt_cache
+        # draft tokens a decode step checks at most (`PromptLookup`); the rows of a batched step that the
+        # generations decoding at once leave free
+        self.speculate = speculate
         self.parked = []    # finished generations' sequences, oldest first (`Parked`): the prompt cache
         self.dev_state = {}
         self.units = {}
@@ -517,10 +522,15 @@ class Engine:
         return logits
 
     def _step_batch(self, seqs, tokens):
-        """One decode step of several sequences, token i at the end of seqs[i] (each checked, its pages there:
-        `_run_waiting`), every weight read once for all; returns their logits rows. Lock held."""
+        """One decode step of several sequences, token i at the end of seqs[i] -- a sequence named k times takes k
+        tokens, at its next k positions (a draft) -- (each checked, its pages there: `_run_waiting`), every weight
+        read once for all; returns their logits rows. Lock held."""
         self._upload_tables(seqs, "bptab")
-        positions = np.asarray([seq.n for seq in seqs], np.int32)
+        ahead, positions = {}, []
+        for seq in seqs:
+            positions.append(seq.n + ahead.get(seq.id, 0))
+            ahead[seq.id] = ahead.get(seq.id, 0) + 1
+        positions = np.asarray(positions, np.int32)
         for d in {st.device for st in self.units.values() if st.pool is not None}:
             self.dev_state[d].dev.upload(self.dev_state[d].acts["tpos"], positions)
         logits = self._run(tokens, {"pos": 0, "n_tokens": len(tokens), "t0": 0}, self._batch_program)
@@ -568,11 +578,12 @@ class Engine:
         V = self.config.vocab
         return last.dev.download(last.acts["logits"], rows * V * 4, t0 * V * 4).view(np.float32).reshape(rows, V)
 
-    def _decode(self, seq, token):
-        """The logits of seq's next decode step (token at its end). The decode steps other generations ask for at
-        the same moment join it: one thread at a time leads, running those waiting as one batched step, while the
+    def _decode(self, seq, tokens):
+        """The logits of seq's next decode step: rows for its token (tokens[0], at its end) and for as many of the
+        draft after it (tokens[1:]) as the step had room for. The decode steps other generations ask for at the
+        same moment join it: one thread at a time leads, running those waiting as one batched step, while the
         others wait for their logits (not for the engine's lock, which the leader may take again at once)."""
-        w, cv = _Waiting(seq, token), self._waiting_cv
+        w, cv = _Waiting(seq, tokens), self._waiting_cv
         with cv:
             self._waiting.append(w)
             cv.notify_all()
@@ -595,25 +606,29 @@ class Engine:
 
     def _run_waiting(self):
         """Run the first `Llama.batch` decode steps waiting, once every generation in its decode loop has asked for its
-        next (or BATCH_WAIT passed): one step alone as a plain decode step. A step that cannot run (its context
-        full) gets its error; the others run. Lock held."""
+        next (or BATCH_WAIT passed), their drafts in the rows left (first come, first served): one token alone as a
+        plain decode step. A step that cannot run (its context full) gets its error; the others run. Lock held."""
         with self._waiting_cv:
             self._waiting_cv.wait_for(lambda: len(self._waiting) >= min(self._decoding, self.model.batch), BATCH_WAIT)
             batch, self._waiting[:self.model.batch] = self._waiting[:self.model.batch], []
-        ready = []
+        ready, room = [], self.model.batch - len(batch)
         for w in batch:  # every step taken from the queue ends done, with logits or an error: its thread waits on it
+            w.tokens = w.tokens[:1 + room]
             try:
-                self._check_step(w.seq, [w.token])
-                self._ensure_pages(w.seq, w.seq.n, w.seq.n + 1)
+                self._check_step(w.seq, w.tokens)
+                self._ensure_pages(w.seq, w.seq.n, w.seq.n + len(w.tokens))
                 ready.append(w)
+                room -= len(w.tokens) - 1
             except Exception as e:  # noqa: BLE001 -- its generation raises it
                 w.error = e
         try:
-            if len(ready) == 1:
-                ready[0].logits = self._step_ready(ready[0].seq, [ready[0].token], 0)
+            if len(ready) == 1 and len(ready[0].tokens) == 1:
+                ready[0].logits = self._step_ready(ready[0].seq, ready[0].tokens, 0)
             elif ready:
-                for w, row in zip(ready, self._step_batch([w.seq for w in ready], [w.token for w in ready])):
-                    w.logits = row[None]
+                rows = iter(self._step_batch([w.seq for w in ready for _ in w.tokens],
+                                             [t for w in ready for t in w.tokens]))
+                for w in ready:
+                    w.logits = np.stack([next(rows) for _ in w.tokens])
         except Exception as e:  # noqa: BLE001 -- every waiting generation learns why its step failed
             for w in ready:
                 w.error = e
@@ -703,24 +718,28 @@ class Engine:
         out, text, emitted, reason, clean, decoding = result.token_ids, "", 0, "length", False, False
         dec = StreamDecoder(self.tokenizer)
         timings = result.timings = {"prompt_tokens": len(ids), "cached_tokens": cached, "prefill_s": 0.0,
-                                    "decode_tokens": 0, "decode_s": 0.0}
+                                    "decode_tokens": 0, "decode_s": 0.0, "drafted_tokens": 0, "accepted_tokens": 0}
         self.last = result
+        # rows of logits not yet sampled: the last step's, in order; drafts[i] the token rows[i + 1] followed
+        rows, drafts, drafted = [], [], 0
+        drafter = Drafter(ids, self.speculate) if self.speculate else None
         try:
             t = time.perf_counter()
             chunks = self._chunks(ids[cached:])  # from a step boundary: the steps a fresh run takes
             for i, chunk in enumerate(chunks):
                 with self._lock:  # logits of the last chunk's last token only
-                    logits = self._step(seq, chunk, len(chunk) - 1 if i == len(chunks) - 1 else len(chunk))
+                    rows = list(self._step(seq, chunk, len(chunk) - 1 if i == len(chunks) - 1 else len(chunk)))
             timings["prefill_s"] = time.perf_counter() - t
             while len(out) < max_tokens:
-                tok = sampler(logits[-1])
+                row = rows.pop(0)
+                tok = sampler(row)
                 if not ignore_eos and tok in self.tokenizer.eos_ids:
                     reason = "eos"
                     break
                 out.append(tok)
                 lp = None
                 if logprobs is not None:
-                    lp = log_probs(logits[-1], tok, logprobs)
+                    lp = log_probs(row, tok, logprobs)
                     result.logprobs.append(lp)
                 text += dec.push(tok)
                 hit = min((text.find(s) for s in stops if s in text), default=-1)
@@ -733,6 +752,15 @@ class Engine:
                     emitted = safe
                 if hit >= 0 or len(out) >= max_tokens:
                     break
+                if drafter is not None:
+                    drafter.push(tok)
+                if rows and drafts.pop(0) == tok:  # the next row is the step this token would have had
+                    timings["accepted_tokens"] += 1
+                    timings["decode_tokens"] += 1
+                    continue
+                if drafter is not None:
+                    drafter.checked(drafted, drafted - len(rows))
+                self._forget(seq, rows)  # drafted past the reply: the next step writes over those positions
                 if seq.n + 1 > self.max_context:
                     reason = "context"
                     break
@@ -741,7 +769,11 @@ class Engine:
                     decoding = True
                     with self._waiting_cv:
                         self._decoding += 1
-                logits = self._decode(seq, tok)
+                draft = drafter.draft(self.max_context - seq.n - 1) if drafter is not None else []
+                rows = list(self._decode(seq, [tok] + draft))
+                drafts = draft[:len(rows) - 1]
+                drafted = len(drafts)
+                timings["drafted_tokens"] += drafted
                 timings["decode_s"] += time.perf_counter() - t
                 timings["decode_tokens"] += 1
             if reason != "stop":
@@ -751,6 +783,7 @@ class Engine:
             clean = True
             raise
         finally:
+            self._forget(seq, rows)
             if decoding:
                 with self._waiting_cv:
                     self._decoding -= 1
@@ -760,6 +793,13 @@ class Engine:
                 self._park(seq, (ids + out)[:seq.n], len(ids) // self.model.T * self.model.T)
             else:
                 self.free_sequence(seq)
+
+    def _forget(self, seq, rows):
+        """Drop the rows of a draft's tokens a generation did not take: seq ends before them."""
+        if rows:
+            with self._lock:
+                seq.n -= len(rows)
+            rows.clear()
 
     def reset_stats(self):
         self.stats.update(steps=0, tokens=0, bytes_read={}, bytes_crossed={}, crossings=0, batched_steps=0)

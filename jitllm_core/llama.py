@@ -92,12 +92,14 @@ class Llama:
     """Kernels and buffer bindings for every unit of one model at one step size."""
 
     def __init__(self, mf: ModelFile, T: int, page: int, n_pages: int, kv_dtype: str, digits=quant.DIGITS,
-                 sequences=SEQUENCES):
+                 sequences=SEQUENCES, batch=None):
         """n_pages: KV pages of each layer's pool, which is also the longest page table (one sequence may use
-        the whole pool); a sliding-window layer's pool holds `sequences` windows instead (`pool_pages`)."""
+        the whole pool); a sliding-window layer's pool holds `sequences` windows instead (`pool_pages`). batch:
+        the most tokens a batched decode step takes (`unit_launches`): a token of each sequence decoding, and
+        drafts (default: `sequences`)."""
         self.mf, self.cfg, self.T = mf, mf.config, T
         self.page, self.n_pages, self.kv_dtype, self.sequences = page, n_pages, kv_dtype, sequences
-        self.batch = min(sequences, T)  # the most sequences a batched decode step takes (`unit_launches`)
+        self.batch = min(batch or sequences, T)
         self.positions = page * n_pages  # the longest sequence: its rope table's rows
         self.digits = digits  # of the dot4 layouts' inputs: quant.DIGITS (as accurate as f32) or quant.INT8
         cfg = self.cfg
@@ -306,8 +308,8 @@ class Llama:
 
     def unit_launches(self, unit, prefill=False, interleave=True, tile=ops.GEMM_TILE, batch=False):
         """The unit's launches for a decode step, or (prefill=True) for a step of many tokens, or (batch=True) for
-        a decode step of up to self.batch sequences, a token each (positions and page tables per token: activation
-        tpos, KV buffer bptab), in the schedule `interleaves` chooses for the device (and with the prefill matmul's
+        a decode step of up to self.batch tokens, each at the end of its sequence or of a draft before it (positions
+        and page tables per token: activation tpos, KV buffer bptab), in the schedule `interleaves` chooses for the device (and with the prefill matmul's
         `tile`, `ops.gemm_tile`)."""
         c, T = self.cfg, self.T
         norm = ops.rmsnorm(c.dim, T, c.eps, not interleave)

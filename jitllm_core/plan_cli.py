@@ -112,7 +112,7 @@ def measure(path, rows, devs, mem, context, n, Engine, planner):
         if not p.fits:
             continue
         placement = planner.to_placement(p.layout, None)
-        eng = Engine(path, devices=list(devs), placement=placement, mem=mem, max_context=context)
+        eng = Engine(path, devices=list(devs), placement=placement, mem=mem, max_context=context, speculate=0)
         try:
             eng.generate("Hello", max_tokens=2, ignore_eos=True)
             eng.reset_stats()

@@ -65,7 +65,7 @@ def _prompts(body):
 def _choices(body, eng, prompts):
     """The choices a request asks for per prompt (OpenAI's n): its `prompts` x n generations at most the
     sequences the engine decodes at once."""
-    n, most = body.get("n", 1), eng.model.batch
+    n, most = body.get("n", 1), eng.model.sequences
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= most:
         raise BadRequest(f"n must be a whole number from 1 to {most} (the server's --max-sequences)", "n")
     if prompts * n > most:

@@ -106,7 +106,7 @@ GENERATIONS = ["The capital of France is", "Once upon a time, there was a", "def
 def test_generations_at_once_are_the_generations_alone(default_model):
     """Five generations at once (more than the four a batched step takes), greedy and sampled, stopping at
     different lengths: each the generation alone, token for token, and most of their decode steps batched."""
-    with jl.Engine(default_model, devices=["cpu"], max_sequences=4, prompt_cache=False) as eng:
+    with jl.Engine(default_model, devices=["cpu"], max_sequences=4, prompt_cache=False, speculate=0) as eng:
         kws = [dict(max_tokens=24 + 4 * i, ignore_eos=True, temperature=0.8 * (i % 2), seed=i) for i in range(5)]
         alone = [eng.generate(p, **kw).token_ids for p, kw in zip(GENERATIONS, kws)]
         eng.reset_stats()
@@ -157,7 +157,7 @@ def test_a_step_that_cannot_run_leaves_the_others(default_model):
         with eng._lock:
             for s, p in zip(seqs, prompts):
                 eng._step(s, p, len(p) - 1)
-            waiting = [engine_mod._Waiting(s, t) for s, t in zip(seqs, [11, eng.config.vocab + 5, 11])]
+            waiting = [engine_mod._Waiting(s, [t]) for s, t in zip(seqs, [11, eng.config.vocab + 5, 11])]
             eng._waiting.extend(waiting)
             eng._run_waiting()
         assert "outside the vocabulary" in str(waiting[1].error) and waiting[1].logits is None
