@@ -38,7 +38,9 @@ def test_chat_turns_resume_the_conversation(engines):
         want = fresh.chat(messages, max_tokens=40)
         assert got.token_ids == want.token_ids and got.text == want.text
         t = got.timings
-        assert n == t["prompt_tokens"] - t["cached_tokens"] + t["decode_tokens"]
+        # computed: the prompt's uncached tokens, the reply's decode steps and the drafted tokens it did not keep
+        assert n == t["prompt_tokens"] - t["cached_tokens"] + t["decode_tokens"] + t["drafted_tokens"] \
+            - t["accepted_tokens"]
         if i == 0:
             assert t["cached_tokens"] == 0 and t["prompt_tokens"] > 128
         else:  # the history up to the last whole step of the previous prompt

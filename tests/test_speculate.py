@@ -165,6 +165,22 @@ def test_generations_at_once_draft_in_the_rows_left(default_model, monkeypatch):
     assert eng.stats["batched_steps"] > 0 and sum(r.timings["accepted_tokens"] for r in out) > 0
 
 
+def test_layers_move_while_a_draft_is_checked(default_model):
+    """Layers move between two CPU devices while a reply streams, some moves while a checked draft's rows wait to
+    be sampled (the draft's positions move with the KV): the reply is the one without moves."""
+    backend_device("cpu:1")
+    with jl.Engine(default_model, devices=["cpu:0", "cpu:1"], placement={"cpu:0": range(30)},
+                   prompt_cache=False) as eng:
+        base = eng.chat(COPY, max_tokens=40).token_ids
+        out, reports = [], []
+        for i, ev in enumerate(eng.chat(COPY, max_tokens=40, stream=True)):
+            out.append(ev.token_id)
+            if i in (4, 9, 22):
+                reports.append(eng.migrate("3-7" if i == 9 else "0-29", "cpu:0" if i == 22 else "cpu:1"))
+        assert out == base and eng.last.timings["accepted_tokens"] > 20
+    assert len(reports) == 3 and all(r.ok and r.recomputed_tokens == 0 for r in reports)
+
+
 def test_speculate_is_a_whole_number(default_model):
     for bad in (-1, 1.5, True):
         with pytest.raises(jl.JitllmError, match="speculate must be a whole number >= 0"):
