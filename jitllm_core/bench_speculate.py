@@ -78,7 +78,8 @@ def run(model=None, devices=None, kv_dtype="f16", threads=(1, 2), speculate=3, d
             llama_cpp = peer is not None  # say why only once
             if peer:
                 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-                draft, eos = LlamaPromptLookupDecoding(num_pred_tokens=2), {peer.llm.token_eos(), *eng.tokenizer.eos_ids}
+                draft = LlamaPromptLookupDecoding(num_pred_tokens=2)
+                eos = {peer.llm.token_eos(), *eng.tokenizer.eos_ids}
             for name, ids in prompts.items():
                 runs = {k: [] for k in ("off", "on", "peer off", "peer on")}
                 for r in range(repeats + 1):  # round 0 warms up (the first draft compiles the batched programs)

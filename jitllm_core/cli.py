@@ -14,9 +14,8 @@ import time
 from collections import deque
 from pathlib import Path
 
-from .lookup import SPECULATE
-
 from .errors import JitllmError, check_whole
+from .lookup import SPECULATE
 from .plan_cli import add_plan_arguments, parse_mem, run_plan
 
 INSTALL_HINT = ("Install the CPU backend:  pip install jitllm-cpu-llvm\n"

@@ -109,6 +109,7 @@ def test_a_reader_that_leaves_early_ends_the_run_quietly():
     (["--top-p", "0"], "top_p must be in (0, 1]"),
     (["--top-k", "-3"], "top_k must be a whole number >= 0"),
     (["--seed", "-1"], "seed must be a whole number >= 0"),
+    (["--speculate", "-1"], "speculate must be a whole number >= 0"),
     (["-p", "hi"], "two prompts"),
 ])
 def test_bad_run_options_are_refused_before_the_model_loads(tmp_path, capsys, args, problem):
@@ -233,3 +234,17 @@ def test_bench_batch_decodes_several_generations_at_once(cpu, capsys, monkeypatc
     assert re.search(r"^\s+1\s+3\s+[\d.]+\s+[\d.]+\s+[\d.]+x\s+-\s+-$", out, re.M)
     with pytest.raises(Exception, match="--sequences"):
         bench_batch.run(sequences=[0], llama_cpp=False)
+
+
+def test_bench_speculate_measures_replies_with_and_without_drafts(cpu, capsys):
+    """`jitllm bench speculate`: a row per task, each reply with drafts checked to be the reply without (the bench
+    raises otherwise), and the copy task's reply mostly drafts taken."""
+    bench_speculate = pytest.importorskip("jitllm_core.bench_speculate")
+    results = bench_speculate.run(threads=[1], decode_tokens=16, repeats=1, llama_cpp=False)
+    out = capsys.readouterr().out
+    assert re.search(r"threads\s+task\s+tokens\s+jitllm\s+speculating\s+x\s+drafts taken", out)
+    assert [r["task"] for r in results] == list(bench_speculate.TASKS)
+    assert all(r["on_tok_s"] > 0 and r["off_tok_s"] > 0 for r in results)
+    assert results[0]["task"] == "copy" and results[0]["accepted"] > 0.5
+    with pytest.raises(Exception, match="--speculate"):
+        bench_speculate.run(speculate=0, llama_cpp=False)
