@@ -46,8 +46,11 @@ LANE_BLOCK = 256  # iterations of a reduce across lanes summed before joining it
 # tok/s, SmolLM2's 306 -> 327 (two threads 334 -> 381); into L2 at 6-12 KB, or non-temporal alone, in between
 PREFETCH = ((4096, 3), (10240, 0))  # (distance, locality); the device's default, which it tunes per kernel tag
 # (CpuDevice.tunables) among these, the earlier default (the far prefetch into L2, so that the near one's L1 fill
-# waits on L2, not DRAM: what an Ice Lake and an Emerald Rapids were measured with) and none
+# waits on L2, not DRAM: what an Ice Lake and an Emerald Rapids were measured with), a deeper one and none
 PREFETCH_L2 = ((4096, 3), (16384, 1))
+# and a third distance, 32 KB into L2: on a Zen 5 host busy enough that one thread read 26 GB/s (40 before), the
+# 1B shape's decode 23.6 -> 29.1 tok/s on one thread, 30.7 -> 37.0 on two, against PREFETCH_L2 (ab_decode.py, 5 rounds)
+PREFETCH_DEEP = ((4096, 3), (16384, 1), (32768, 1))
 # "large": a matrix streamed from DRAM in a decode step, however small (a step reads the whole model, which does
 # not stay in the caches): SmolLM2's 69-207 KB projections too, whose threads' short streams the hardware's
 # prefetcher barely starts on (two threads' decode +2-6 %, one thread's unchanged: docs/benchmarks.md)

@@ -265,10 +265,11 @@ def barriers_needed(launches):
 
 class CpuDevice(Device):
     backend = "cpu"
-    # how far ahead streamed weights are prefetched and how (lower.PREFETCH, PREFETCH_L2), or not at all: Intel's
-    # Ice Lake and Emerald Rapids stream every layout faster with a prefetch, a Zen 3 its 4-bit ones but not its
-    # 6-bit one on two threads, a Zen 5 fastest with the far prefetch non-temporal
-    tunables = {"prefetch": [lower.PREFETCH, lower.PREFETCH_L2, ()]}
+    # how far ahead streamed weights are prefetched and how (lower.PREFETCH, PREFETCH_L2, PREFETCH_DEEP), or not at
+    # all: Intel's Ice Lake and Emerald Rapids stream every layout faster with a prefetch, a Zen 3 its 4-bit ones but
+    # not its 6-bit one on two threads, a Zen 5 fastest with the far prefetch non-temporal, or on a busy host with a
+    # third one further ahead
+    tunables = {"prefetch": [lower.PREFETCH, lower.PREFETCH_L2, lower.PREFETCH_DEEP, ()]}
     lowering = LOWERING
 
     def __init__(self, name, threads, memory_bytes, width=None, instructions=None):
