@@ -1,7 +1,6 @@
 """Speculative decoding: drafts from a generation's own context (`PromptLookup`) checked in one step of several
 tokens of one sequence, each at its own position -- each row bit for bit the logits of the steps one by one, so a
 reply with drafts is the reply without, token for token, greedy or sampled."""
-import os
 import threading
 
 import numpy as np
@@ -11,7 +10,8 @@ import jitllm_core as jl
 from conftest import backend_device
 from jitllm_core import engine as engine_mod
 from jitllm_core.lookup import DRAFT_FROM, Drafter, PromptLookup
-from test_safetensors_model import PROMPTS, _build
+from test_batched_decode import hf_models  # noqa: F401 -- the Gemma 3 and Qwen3-MoE folders, a fixture
+from test_safetensors_model import PROMPTS
 
 PASSAGE = ("The lighthouse stood on a rock a mile from the shore. Every evening the keeper climbed its ninety-two "
            "steps, trimmed the wick and wound the clockwork that turned the lens.")
@@ -83,23 +83,11 @@ def test_a_draft_step_is_its_tokens_one_by_one(default_model, device):
     assert alone.std() > 1 and np.array_equal(together, alone)
 
 
-@pytest.fixture(scope="module")
-def hf_models(tmp_path_factory, default_model):
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("torch")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(default_model),
-                                                           gguf_file=os.path.basename(default_model))
-    root = tmp_path_factory.mktemp("speculate")
-    for v in ("gemma3-f32", "qwen3moe-f32"):
-        _build(root / v, v, tokenizer)
-    return {v: str(root / v) for v in ("gemma3-f32", "qwen3moe-f32")}
-
-
 @pytest.mark.parametrize("variant", ["gemma3-f32", "qwen3moe-f32"])
-def test_a_draft_step_with_windows_and_experts(hf_models, variant):
+def test_a_draft_step_with_windows_and_experts(hf_models, variant):  # noqa: F811 -- the fixture imported above
     """A sliding window (Gemma 3's, 21 positions, passed within the draft) and a mixture of experts (each token
     its own): a draft step's rows are its tokens' steps one by one."""
-    with jl.Engine(hf_models[variant], devices=["cpu"], kv_dtype="f32", max_context=256, prompt_cache=False) as eng:
+    with jl.Engine(hf_models[variant][0], devices=["cpu"], kv_dtype="f32", max_context=256, prompt_cache=False) as eng:
         prompt = eng.tokenizer.encode(" ".join(PROMPTS))[:19]
         together, alone = steps_against_one_by_one(eng, prompt, [17, 94, 3])
     assert alone.std() > 0.05 and np.array_equal(together, alone)
