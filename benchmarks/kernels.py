@@ -4,8 +4,8 @@
   from cache (one copy repeated): GB/s and G weights/s, with the lowering options the device tuned for them;
 - matvecs of the file's layouts, the dot in its CPU form and in the form GPUs get;
 - the prefill matmuls of the 1B shape's matrices (a 64-token step);
-- the core's f32 multiply-add peak (a bare loop of independent multiply-adds) and a prefill matmul whose weights
-  stay in L2.
+- the core's f32 multiply-add peak (a bare loop of independent multiply-adds), the same with half its chains
+  looking products up (AVX-512), and a prefill matmul whose weights stay in L2.
 
     python benchmarks/kernels.py [--threads N] [--only decode|file|prefill|ceiling] [--force prefetch=1]
 """
@@ -126,19 +126,27 @@ def prefill(dev, rng, T=64, n=64):
             dev.free(b)
 
 
-def fma_peak(threads=1, iterations=20_000_000):
+def fma_peak(threads=1, iterations=20_000_000, lookups=0):
     """GFLOP/s of each of 5 runs of each of `threads` threads running at once nothing but independent f32
     multiply-adds of the CPU's vector width (a bare LLVM loop of accumulators that fit its registers: 16 of 16
     lanes with AVX-512, 12 of 8 with AVX2): what the cores' vector units can do, the bound for any f32 gemm (the
-    cores of a shared machine need not run at one speed)."""
+    cores of a shared machine need not run at one speed). lookups (AVX-512): that many of the chains instead look
+    products up (`vpermps` of a vector of 16 multiples by 16 indices, then an add) -- exact products of a 4-bit
+    weight without a multiply -- and their products count as multiply-adds: whether the lookups' pipes add to the
+    multiply-adds' (docs/benchmarks.md, thirty-third session)."""
     W = runtime.simd_width()
     chains = 16 if W == 16 else 12
     v, fma = f"<{W} x float>", f"@llvm.fma.v{W}f32"
-    body = "".join(f"  %a{i} = phi {v} [splat (float {i}.0), %entry], [%b{i}, %loop]\n" for i in range(chains)) + \
-        "".join(f"  %b{i} = call {v} {fma}({v} %a{i}, {v} splat (float 0.5), {v} splat (float 0.25))\n"
-                for i in range(chains))
+    perm = "@llvm.x86.avx512.permvar.sf.512"
+    body = "".join(f"  %a{i} = phi {v} [splat (float {i}.0), %entry], [%b{i}, %loop]\n" for i in range(chains))
+    for i in range(chains):
+        if i < chains - lookups:
+            body += f"  %b{i} = call {v} {fma}({v} %a{i}, {v} splat (float 0.5), {v} splat (float 0.25))\n"
+        else:  # table and indices: bits of the previous iteration's chains, so that nothing is hoisted or folded
+            body += (f"  %x{i} = bitcast {v} %a{i - 1} to <16 x i32>\n"
+                     f"  %p{i} = call {v} {perm}({v} %a0, <16 x i32> %x{i})\n  %b{i} = fadd {v} %a{i}, %p{i}\n")
     total = "".join(f"  %s{i} = fadd {v} %s{i - 1}, %b{i}\n" for i in range(1, chains))
-    ir_text = (f"declare {v} {fma}({v}, {v}, {v})\n"
+    ir_text = (f"declare {v} {fma}({v}, {v}, {v})\n" + (f"declare {v} {perm}({v}, <16 x i32>)\n" if lookups else "") +
                f"define float @peak(i64 %n) {{\nentry:\n  br label %loop\nloop:\n"
                f"  %i = phi i64 [0, %entry], [%j, %loop]\n{body}  %j = add i64 %i, 1\n"
                f"  %c = icmp ult i64 %j, %n\n  br i1 %c, label %loop, label %done\ndone:\n"
@@ -169,6 +177,10 @@ def ceiling(dev, rng, T=64):
     peaks = fma_peak(dev.threads)
     print(f"\nf32 multiply-add peak of {len(peaks)} thread(s) at once (independent chains, no loads), slowest and "
           "fastest of 5 runs: " + " / ".join(f"{min(r):.1f}-{max(r):.1f}" for r in peaks) + " GFLOP/s")
+    if runtime.simd_width() == 16:
+        mixed = fma_peak(dev.threads, lookups=8)
+        print("the same with 8 of its 16 chains looking products up instead (vpermps and an add, products counted as "
+              "multiply-adds): " + " / ".join(f"{min(r):.1f}-{max(r):.1f}" for r in mixed) + " GFLOP/s")
     print("prefill matmul of 64 rows x 2,048 columns of Q4_K (from L2), 64 tokens (best of 15)")
     fmt, w = packed_tensor("Q4_K", 64, 2048, rng)
     k = ops.prefill_matmul(fmt, 64, 2048, T, tile=ops.gemm_tile(dev.caps.registers))
