@@ -69,6 +69,7 @@ def run(model=None, devices=None, kv_dtype="f16", threads=(1, 2), speculate=3, d
         print(f"bench speculate: {n_threads} thread(s): loading, warming up ...", file=sys.stderr)
         eng = Engine(model=model, devices=devices or ["cpu"], threads=n_threads, kv_dtype=kv_dtype,
                      activations=activations, prompt_cache=False, speculate=speculate)
+        eng.wait_compiled()  # every measured reply drafts from its first step
         peer = draft = None
         try:
             prompts = {name: eng.encode(eng.apply_chat_template([{"role": "user", "content": text}])

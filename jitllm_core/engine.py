@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -193,6 +193,8 @@ class Engine:
         self.stats = {"steps": 0, "tokens": 0, "bytes_read": {}, "bytes_crossed": {}, "crossings": 0,
                       "bytes_per_token": 0, "batched_steps": 0}
         self._streamer = ThreadPoolExecutor(1, thread_name_prefix="jitllm-stream")
+        # builds the batched steps' programs after the engine is made, where drafts will need them (`_build_segments`)
+        self._builder, self._batch_build = ThreadPoolExecutor(1, thread_name_prefix="jitllm-build"), None
         layout = resolve(self, placement, n_device_layers)
         total = len(layout)
         for i, (unit, (dev_name, residency)) in enumerate(layout.items()):
@@ -383,6 +385,15 @@ class Engine:
     def _build_segments(self):
         self.segments = self._programs(self._layout())
         self.stats["bytes_per_token"] = self._weight_bytes()
+        if self.speculate:  # compiled meanwhile, so that a first draft does not wait seconds (a cold kernel cache)
+            segs = list(self.segments)
+            self._batch_build = self._builder.submit(lambda: [self._batch_program(seg) for seg in segs])
+
+    def wait_compiled(self):
+        """Wait for the programs the engine compiles in the background: the batched steps' that drafts run in.
+        Generations draft without waiting, once those are ready (`speculate`)."""
+        if self._batch_build is not None:
+            wait([self._batch_build])
 
     def _weight_bytes(self):
         """Weight bytes one decode step reads: every unit's tensors, but only one row of the embedding (and a
@@ -525,6 +536,8 @@ class Engine:
         """One decode step of several sequences, token i at the end of seqs[i] -- a sequence named k times takes k
         tokens, at its next k positions (a draft) -- (each checked, its pages there: `_run_waiting`), every weight
         read once for all; returns their logits rows. Lock held."""
+        if self._batch_build is not None:
+            self._batch_build.result()  # the builder's programs (its compile error, if any, raised here)
         self._upload_tables(seqs, "bptab")
         ahead, positions = {}, []
         for seq in seqs:
@@ -542,7 +555,8 @@ class Engine:
 
     def _batch_program(self, seg):
         """A segment's program for a batched decode step, compiled at the first one (an engine that never runs
-        two generations at once needs none)."""
+        two generations at once needs none) or, where the engine drafts, on the builder's thread after it is made
+        (`_step_batch` waits for that)."""
         if seg.batch is None:
             slot = seg.slot if seg.streamed is not None else None
             seg.batch = self.devices[seg.device].program(
@@ -769,7 +783,8 @@ class Engine:
                     decoding = True
                     with self._waiting_cv:
                         self._decoding += 1
-                draft = drafter.draft(self.max_context - seq.n - 1) if drafter is not None else []
+                room = self.max_context - seq.n - 1 if self._batch_build is None or self._batch_build.done() else 0
+                draft = drafter.draft(room) if drafter is not None else []
                 rows = list(self._decode(seq, [tok] + draft))
                 drafts = draft[:len(rows) - 1]
                 drafted = len(drafts)
@@ -810,6 +825,7 @@ class Engine:
         from .migration import Migration
         if not self.segments:
             raise JitllmError("the engine is closed")
+        self.wait_compiled()  # the builder binds buffers that a move frees
         return Migration(self, layers, device).start(wait)
 
     def __enter__(self):
@@ -821,6 +837,7 @@ class Engine:
     def close(self):
         """Free every device buffer; the engine is unusable after (calls raise "the engine is closed")."""
         self._streamer.shutdown()
+        self._builder.shutdown()  # waits for a build: its programs bind the buffers freed below
         with self._lock:
             for st in self.units.values():
                 if st.kv:

@@ -115,6 +115,7 @@ def test_a_reply_ending_inside_a_draft_keeps_only_its_positions(default_model):
     """Replies cut by max_tokens or a stop string while a checked draft runs past them: the sequence parked for the
     prompt cache holds the reply's positions only, and the next turn's reply is a fresh engine's."""
     with jl.Engine(default_model, devices=["cpu"], max_context=512) as eng:
+        eng.wait_compiled()  # drafts from the first step on (they start once the batched programs are compiled)
         ids = eng.encode(eng.apply_chat_template(COPY))
         ended_inside = 0
         for n in range(8, 14):
@@ -138,6 +139,7 @@ def test_generations_at_once_draft_in_the_rows_left(default_model, monkeypatch):
     chats = [COPY, [{"role": "user", "content": "Repeat exactly: the cat sat on the mat, the dog sat on the log."}]]
     with jl.Engine(default_model, devices=["cpu"], max_sequences=2, prompt_cache=False) as eng:
         assert eng.model.batch == 4  # a token of each, and drafts
+        eng.wait_compiled()
         alone = [eng.chat(c, max_tokens=32).token_ids for c in chats]
         eng.reset_stats()
         out = [None, None]
@@ -159,6 +161,7 @@ def test_layers_move_while_a_draft_is_checked(default_model):
     backend_device("cpu:1")
     with jl.Engine(default_model, devices=["cpu:0", "cpu:1"], placement={"cpu:0": range(30)},
                    prompt_cache=False) as eng:
+        eng.wait_compiled()
         base = eng.chat(COPY, max_tokens=40).token_ids
         out, reports = [], []
         for i, ev in enumerate(eng.chat(COPY, max_tokens=40, stream=True)):
