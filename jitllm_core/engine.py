@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, wait as finished
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -193,7 +193,7 @@ class Engine:
         self.stats = {"steps": 0, "tokens": 0, "bytes_read": {}, "bytes_crossed": {}, "crossings": 0,
                       "bytes_per_token": 0, "batched_steps": 0}
         self._streamer = ThreadPoolExecutor(1, thread_name_prefix="jitllm-stream")
-        # builds the batched steps' programs after the engine is made, where drafts will need them (`_build_segments`)
+        # compiles the batched steps' programs that drafts run in, from an engine's first reply on (`_compile_batched`)
         self._builder, self._batch_build = ThreadPoolExecutor(1, thread_name_prefix="jitllm-build"), None
         layout = resolve(self, placement, n_device_layers)
         total = len(layout)
@@ -385,15 +385,21 @@ class Engine:
     def _build_segments(self):
         self.segments = self._programs(self._layout())
         self.stats["bytes_per_token"] = self._weight_bytes()
-        if self.speculate:  # compiled meanwhile, so that a first draft does not wait seconds (a cold kernel cache)
-            segs = list(self.segments)
-            self._batch_build = self._builder.submit(lambda: [self._batch_program(seg) for seg in segs])
+
+    def _compile_batched(self):
+        """Start compiling the batched steps' programs on the builder's thread, once: a reply drafts only once they
+        are ready, so that its first draft does not wait for them (2.6 s for SmolLM2 with a cold kernel cache).
+        Started by the first reply after its prompt (not by `Engine()`: it would slow the first token)."""
+        with self._lock:
+            if self._batch_build is None:
+                segs = list(self.segments)
+                self._batch_build = self._builder.submit(lambda: [self._batch_program(seg) for seg in segs])
 
     def wait_compiled(self):
-        """Wait for the programs the engine compiles in the background: the batched steps' that drafts run in.
-        Generations draft without waiting, once those are ready (`speculate`)."""
-        if self._batch_build is not None:
-            wait([self._batch_build])
+        """Compile the batched steps' programs that drafts run in, if the engine has not yet, and wait for them;
+        replies draft only once they are ready."""
+        self._compile_batched()
+        finished([self._batch_build])
 
     def _weight_bytes(self):
         """Weight bytes one decode step reads: every unit's tensors, but only one row of the embedding (and a
@@ -744,6 +750,8 @@ class Engine:
                 with self._lock:  # logits of the last chunk's last token only
                     rows = list(self._step(seq, chunk, len(chunk) - 1 if i == len(chunks) - 1 else len(chunk)))
             timings["prefill_s"] = time.perf_counter() - t
+            if drafter is not None:
+                self._compile_batched()
             while len(out) < max_tokens:
                 row = rows.pop(0)
                 tok = sampler(row)
@@ -825,7 +833,8 @@ class Engine:
         from .migration import Migration
         if not self.segments:
             raise JitllmError("the engine is closed")
-        self.wait_compiled()  # the builder binds buffers that a move frees
+        if self._batch_build is not None:
+            finished([self._batch_build])  # the builder binds buffers that a move frees
         return Migration(self, layers, device).start(wait)
 
     def __enter__(self):

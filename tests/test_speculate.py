@@ -102,6 +102,7 @@ def test_a_reply_with_drafts_is_the_reply_without(default_model, device):
         kws = [dict(max_tokens=48, logprobs=2), dict(max_tokens=48, logprobs=2, temperature=0.8, seed=3)]
         plain = [eng.chat(COPY, **kw) for kw in kws]
         eng.speculate = 3
+        eng.wait_compiled()
         drafted = [eng.chat(COPY, **kw) for kw in kws]
     for p, d in zip(plain, drafted):
         assert (d.token_ids, d.logprobs, d.text, d.finish_reason) == (p.token_ids, p.logprobs, p.text, p.finish_reason)
