@@ -83,7 +83,7 @@ def run(model=None, devices=None, kv_dtype="f16", threads=(1, 2), speculate=3, d
                 eos = {peer.llm.token_eos(), *eng.tokenizer.eos_ids}
             for name, ids in prompts.items():
                 runs = {k: [] for k in ("off", "on", "peer off", "peer on")}
-                for r in range(repeats + 1):  # round 0 warms up (the first draft compiles the batched programs)
+                for r in range(repeats + 1):  # round 0 warms up
                     plain, tok_s, _ = jitllm_reply(eng, ids, decode_tokens, 0)
                     reply, spec_tok_s, timings = jitllm_reply(eng, ids, decode_tokens, speculate)
                     if reply != plain:

@@ -791,8 +791,9 @@ class Engine:
                     decoding = True
                     with self._waiting_cv:
                         self._decoding += 1
-                room = self.max_context - seq.n - 1 if self._batch_build is None or self._batch_build.done() else 0
-                draft = drafter.draft(room) if drafter is not None else []
+                # drafts once the batched programs are ready (`_compile_batched`); guesses scored meanwhile
+                draft = [] if drafter is None else \
+                    drafter.draft(self.max_context - seq.n - 1 if self._batch_build.done() else 0)
                 rows = list(self._decode(seq, [tok] + draft))
                 drafts = draft[:len(rows) - 1]
                 drafted = len(drafts)

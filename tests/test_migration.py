@@ -15,6 +15,7 @@ PROMPT = "The history of the printing press begins in China, where woodblock pri
 def eng(default_model):
     backend_device("cpu:1")
     e = jl.Engine(default_model, devices=["cpu:0", "cpu:1"], placement={"cpu:0": range(30)}, kv_dtype="f32")
+    e.wait_compiled()  # every reply drafts from its first step: the same steps with and without moves
     yield e
     e.close()
 

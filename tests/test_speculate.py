@@ -173,6 +173,23 @@ def test_layers_move_while_a_draft_is_checked(default_model):
     assert len(reports) == 3 and all(r.ok and r.recomputed_tokens == 0 for r in reports)
 
 
+def test_a_reply_does_not_wait_for_the_batched_programs(default_model):
+    """While the batched programs that drafts run in are still being compiled, a reply goes on without drafts
+    (the reply without them) instead of waiting; once they are ready, replies draft."""
+    with jl.Engine(default_model, devices=["cpu"], max_context=512, prompt_cache=False) as eng:
+        built, compile_batch = threading.Event(), eng._batch_program
+        eng._batch_program = lambda seg: built.wait(120) and compile_batch(seg)  # a compile that takes its time
+        out = []
+        reply = threading.Thread(target=lambda: out.append(eng.chat(COPY, max_tokens=24)))
+        reply.start()
+        reply.join(60)
+        built.set()
+        assert out and out[0].timings["drafted_tokens"] == 0
+        eng.wait_compiled()
+        again = eng.chat(COPY, max_tokens=24)
+    assert again.token_ids == out[0].token_ids and again.timings["drafted_tokens"] > 0
+
+
 def test_speculate_is_a_whole_number(default_model):
     for bad in (-1, 1.5, True):
         with pytest.raises(jl.JitllmError, match="speculate must be a whole number >= 0"):
