@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -97,11 +98,39 @@ def open_llama_cpp(path, threads, n_ctx, logits_all=False):
     if not os.path.isfile(path):
         print(f"llama.cpp: not measured ({path} is not a GGUF file)", file=sys.stderr)
         return None
+    crash = peer_crash(path, threads)
+    if crash:
+        print(f"llama.cpp: not measured ({crash})", file=sys.stderr)
+        return None
     try:
         return LlamaCpp(path, threads, n_ctx, logits_all)
     except Exception as e:  # llama-cpp-python raises ValueError, RuntimeError, ... for files it cannot load
         print(f"llama.cpp: not measured (it could not load {path}: {e})", file=sys.stderr)
         return None
+
+
+# A prompt's batch through llama.cpp in a process of its own: its default build on a CPU with AMX (Sapphire Rapids
+# and later) repacks Q4/Q8 weights for an AMX matmul that can crash at its first tile instruction (llama.cpp issue
+# 20824, seen here with llama-cpp-python 0.3.36), which would take the whole bench down with it
+PROBE = ("import sys, llama_cpp; l = llama_cpp.Llama(model_path=sys.argv[1], n_threads=int(sys.argv[2]), "
+         "n_threads_batch=int(sys.argv[2]), n_ctx=64, verbose=False); l.eval(list(range(1, 17)))")
+
+
+def peer_crash(path, threads) -> str | None:
+    """Why llama.cpp cannot be measured on `path` in this process (it died on a 16-token batch in a probe
+    process), or None."""
+    done = subprocess.run([sys.executable, "-c", PROBE, path, str(threads)], capture_output=True, text=True)
+    if done.returncode >= 0:
+        return None
+    amx = "AMX_INT8 = 1" in _system_info()
+    return (f"llama.cpp died of signal {-done.returncode} evaluating a 16-token batch of {path} in a probe process"
+            + ("; its build uses AMX on this CPU, whose matmul crashes on some machines (llama.cpp issue 20824): "
+               "rebuild llama-cpp-python without AMX as docs/benchmarks.md says" if amx else ""))
+
+
+def _system_info() -> str:
+    import llama_cpp
+    return llama_cpp.llama_print_system_info().decode()
 
 
 def interleaved_runs(eng, peer, ids, decode_tokens, repeats, measure):

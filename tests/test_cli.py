@@ -3,8 +3,10 @@ import importlib.util
 import io
 import json
 import re
+import signal
 import subprocess
 import sys
+import types
 
 from pathlib import Path
 
@@ -204,6 +206,9 @@ def test_bench_peer_decodes_greedily_past_its_batch(default_model, cpu):
     of both; skipped where llama-cpp-python, a benchmark set-up step, is not installed)."""
     pytest.importorskip("llama_cpp")
     from jitllm_core import Engine, bench
+    crash = bench.peer_crash(default_model, 1)
+    if crash:
+        pytest.skip(crash)
     eng = Engine(default_model, devices=["cpu"], threads=1)
     ids = bench.prompt_ids(eng.tokenizer, 600)
     peer = bench.LlamaCpp(default_model, 1, 1024)
@@ -217,6 +222,22 @@ def test_bench_peer_decodes_greedily_past_its_batch(default_model, cpu):
     finally:
         peer.close()
     assert tokens == eng.generate(ids, max_tokens=6, temperature=0.0, ignore_eos=True).token_ids
+
+
+def test_bench_reports_a_peer_that_crashes_instead_of_crashing(default_model, monkeypatch, capsys):
+    """A llama.cpp that dies on a prompt's batch (its default build's AMX matmul on some CPUs) runs in a probe
+    process first: bench says why the peer is not measured and goes on, instead of dying with it. The probe here is
+    a process that dies of SIGSEGV as that one does; a probe that exits normally reports nothing."""
+    from jitllm_core import bench
+    monkeypatch.setattr(bench, "PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    monkeypatch.setattr(bench, "_system_info", lambda: "AVX512 = 1 | AMX_INT8 = 1 |")
+    monkeypatch.setitem(sys.modules, "llama_cpp", sys.modules.get("llama_cpp") or types.ModuleType("llama_cpp"))
+    assert bench.open_llama_cpp(default_model, 1, 64) is None
+    err = capsys.readouterr().err
+    assert f"died of signal {int(signal.SIGSEGV)} evaluating a 16-token batch of {default_model}" in err
+    assert "without AMX" in err
+    monkeypatch.setattr(bench, "PROBE", "pass")
+    assert bench.peer_crash(default_model, 1) is None
 
 
 def test_bench_batch_decodes_several_generations_at_once(cpu, capsys, monkeypatch):
