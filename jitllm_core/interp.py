@@ -129,7 +129,21 @@ class Interpreter:
                 inner = dict(env)
                 self.block(s.then if self.ev(s.cond, env) else s.orelse, inner)
                 env.update({k: v for k, v in inner.items() if k in env})
+            elif isinstance(s, ir.TileDot):
+                self.tile_dot(s, env)
             # Barrier: iterations run one after another here, so it is always satisfied; Prefetch: a hint.
+
+    def tile_dot(self, s, env):
+        """A TileDot as one integer matrix product per output (the definition, not its loops)."""
+        a0, K = self.ev(s.a0, env), 4 * s.words
+        rows = np.stack([self.bufs[s.a][a0 + i * s.a_stride:][:K] for i in range(s.m)]).view(np.int8)
+        for b0, o0 in s.outs:
+            b0, o0 = self.ev(b0, env), self.ev(o0, env)
+            words = self.bufs[s.b][b0:b0 + s.words * s.n].reshape(s.words, s.n)
+            w = words.view(np.uint8).reshape(s.words, s.n, 4).transpose(0, 2, 1).reshape(K, s.n)
+            prod = (rows.astype(np.int64) @ w.astype(np.int64)).astype(np.int32)  # i32 arithmetic wraps
+            for i in range(s.m):
+                self.bufs[s.out][o0 + i * s.o_stride:][:s.n] = prod[i]
 
     def load(self, buf, i):
         p, arr = self.k.buffers[buf], self.bufs[buf]

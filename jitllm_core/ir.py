@@ -20,6 +20,8 @@ top-level statements run once. Inside a parallel iteration:
     "vector" may use SIMD, "serial"/"unroll" run in order. Float addition order is the backend's choice.
   - `Barrier()` inside an iteration: the threads cooperating on that iteration see each other's stores.
   - `Let` binds an immutable local; `Local` / `Assign` give a mutable one (lowered to registers).
+  - `TileDot`: a tile of integer matrix products (int8 digits of activations by unsigned weight bytes), a
+    statement that a CPU with matrix units runs as a few instructions and others as loops of dot4 (`expanded`).
 Model dimensions are baked into kernels as constants; per-step values (pos, n_tokens) are scalars.
 """
 from __future__ import annotations
@@ -317,6 +319,66 @@ class Prefetch(Stmt):
     near: bool = True
 
 
+@dataclass(eq=False)
+class TileDot(Stmt):
+    """Integer matrix products of one tile of input rows: for each (b0, o0) of `outs`, i < m, j < n,
+    out[o0 + i * o_stride + j] = sum over p < words of dot4(b[b0 + p * n + j], the word of bytes a[a0 + i * a_stride
+    + 4 p .. + 3]) -- m rows of int8 digits of activations (a, a byte buffer, signed) against n columns of 4-byte
+    words of unsigned weights (b, i32, word p of column j at p * n + j), each exact in i32 (out); a's bytes are
+    u8 storage read as signed. One AMX tile
+    multiply per 64 bytes of a row on a CPU that has them; loops of dot4 elsewhere (`expanded`)."""
+    a: str
+    a0: Expr
+    a_stride: int
+    b: str
+    out: str
+    outs: tuple  # ((b0, o0), ...): weights and where their products go, the input rows shared
+    m: int
+    n: int
+    words: int
+    o_stride: int
+
+    def expanded(self, tag) -> list:
+        """The same as loops (`tag`: a prefix for their variables, unique in the kernel)."""
+        i, j = Var(f"{tag}i"), Var(f"{tag}j")
+
+        def word(p):
+            at = self.a0 + i * self.a_stride + p * 4
+            return Load(self.a, at, "i32") | (Load(self.a, at + 1, "i32") << 8) | (Load(self.a, at + 2, "i32") << 16) \
+                | (Load(self.a, at + 3, "i32") << 24)
+        body = [Store(self.out, o0 + i * self.o_stride + j,
+                      reduce("add", f"{tag}p", self.words,
+                             lambda p, b0=b0: dot4(Load(self.b, b0 + p * self.n + j, "i32"), word(p))))
+                for b0, o0 in self.outs]
+        return [Loop(i.name, Const(self.m), "serial", [Loop(j.name, Const(self.n), "vector", body)])]
+
+
+def expand_tile_dots(k: "Kernel", keep=lambda s: False) -> "Kernel":
+    """k with each TileDot as its loops (`TileDot.expanded`), for a backend without matrix units (keep: those it
+    runs as they are); k itself where it has none to expand."""
+    count = iter(range(1 << 30))
+
+    def body(stmts):
+        out = []
+        for s in stmts:
+            if isinstance(s, TileDot) and not keep(s):
+                out += s.expanded(f"tile{next(count)}_")
+            elif isinstance(s, Loop):
+                out.append(Loop(s.var, s.extent, s.kind, body(s.body), s.start))
+            elif isinstance(s, If):
+                out.append(If(s.cond, body(s.then), body(s.orelse)))
+            else:
+                out.append(s)
+        return out
+    new = body(k.body)
+    if next(count) == 0:
+        return k
+    e = Kernel(k.name)
+    e.buffers, e.scalars, e.body = dict(k.buffers), list(k.scalars), new
+    e.w_read, e.flops, e.tune_tag, e.tune_scalars = k.w_read, k.flops, k.tune_tag, k.tune_scalars
+    return e.finish()
+
+
 # ----------------------------------------------------------------------------------------------- kernels
 WEIGHTS = "w"  # the buffer of a kernel's weights: what a step streams from memory (profiles count its bytes)
 
@@ -393,6 +455,11 @@ class Kernel:
 
     def barrier(self):
         self.emit(Barrier())
+
+    def tile_dot(self, a, a0, a_stride, b, out, outs, m, n, words, o_stride):
+        """Emit a `TileDot` (outs: [(b0, o0)], indices into b and out)."""
+        self.emit(TileDot(a, i32(a0), int(a_stride), b, out, tuple((i32(b0), i32(o0)) for b0, o0 in outs),
+                          int(m), int(n), int(words), int(o_stride)))
 
     def loop(self, var, extent, kind="serial", start=0):
         return _Block(self, Loop(var, i32(as_expr(extent)), kind, [], i32(as_expr(start))), var)
@@ -523,6 +590,16 @@ def check(k: Kernel):
                 if s.buf not in k.buffers:
                     raise IRError(f"{k.name}: unknown buffer {s.buf!r}")
                 _want(ex(s.index, env), "i32", "prefetch index")
+            elif isinstance(s, TileDot):
+                if depth == 0:
+                    raise IRError(f"{k.name}: a tile dot must be inside a parallel iteration")
+                for buf, dts in ((s.a, ("u8",)), (s.b, ("i32",)), (s.out, ("i32",))):
+                    if buf not in k.buffers or k.buffers[buf].dtype not in dts:
+                        raise IRError(f"{k.name}: tile dot buffer {buf!r} must be a buffer of {' or '.join(dts)}")
+                if not k.buffers[s.out].write:
+                    raise IRError(f"{k.name}: store to read-only buffer {s.out!r}")
+                for e in (s.a0, *(x for pair in s.outs for x in pair)):
+                    _want(ex(e, env), "i32", "tile dot index")
             elif not isinstance(s, Barrier):
                 raise IRError(f"{k.name}: not a statement: {s!r}")
 
@@ -583,6 +660,10 @@ def dump(k: Kernel) -> str:
                 out.append(f"{p}barrier")
             elif isinstance(s, Prefetch):
                 out.append(f"{p}prefetch{'' if s.near else '.far'} {s.buf}[{ex(s.index)}, +{s.count}]")
+            elif isinstance(s, TileDot):
+                outs = ", ".join(f"{s.out}[{ex(o0)}] <- {s.b}[{ex(b0)}]" for b0, o0 in s.outs)
+                out.append(f"{p}tiledot {s.m}x{s.n}x{s.words} {s.a}[{ex(s.a0)}, +{s.a_stride}/row] o{s.o_stride}: "
+                           f"{outs}")
 
     st(k.body, 1)
     return "\n".join(out)

@@ -131,6 +131,20 @@ def byte_dots(groups=2, n=16, steps=6):
     return k
 
 
+def tile_dots(tiles=2, m=3, words=16, outs=2):
+    """TileDot: m rows of signed bytes (rows 80 bytes apart, from an offset) by `outs` tiles of 16 columns of
+    unsigned weight words, into rows of 24 i32 (past the 16 written: untouched); a tile per iteration, in whole
+    AMX tile rows (words a multiple of 16). Small: a Vulkan device of 256-byte storage ranges binds every piece."""
+    k = ir.Kernel("tile_dots")
+    stride = 4 * words + 16
+    k.buffer("a", "u8", 8 + tiles * m * stride), k.buffer("b", "i32", tiles * outs * words * 16)
+    k.buffer("o", "i32", tiles * outs * m * 24, True)
+    with k.parallel("t", tiles) as t:
+        k.tile_dot("a", 8 + t * m * stride, stride, "b", "o",
+                   [((t * outs + j) * words * 16, (t * outs + j) * m * 24) for j in range(outs)], m, 16, words, 24)
+    return k
+
+
 # IQ4's non-linear levels, offset to bytes: the table lut16 serves, with bytes above 127
 LEVELS = (1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241)
 
@@ -293,6 +307,7 @@ CASES = {
     "lane_idioms": (lane_idioms, {}),
     "byte_dots": (byte_dots, {}),
     "byte_lookups": (byte_lookups, {}),
+    "tile_dots": (tile_dots, {}),
     "reductions": (reductions, {"n": 13}),
     "long_reduction": (long_reduction, {}),
     "vector_loops": (vector_loops, {}),
@@ -322,6 +337,8 @@ def inputs_for(k: ir.Kernel, seed=0):
         for name in ("x", "a"):
             bufs[name] = rng.integers(-2**31, 2**31, k.buffers[name].size).astype(np.int32)
         bufs["x"][:2], bufs["a"][:2] = [-0x7F7F7F80, 0x7F7F7F7F], [-1, -1]
+    if k.name == "tile_dots":  # the extreme bytes and words: the i32 sums at their largest
+        bufs["a"][8:72], bufs["b"][:32] = [128] * 32 + [127] * 32, [-1] * 16 + [0x7F80FF01] * 16
     if k.name == "lane_idioms":
         bufs["h16"] = rng.standard_normal(k.buffers["h16"].size // 2).astype(np.float16).view(np.uint8).copy()
         bufs["w32"] = rng.standard_normal(k.buffers["w32"].size // 4).astype(np.float32).view(np.uint8).copy()

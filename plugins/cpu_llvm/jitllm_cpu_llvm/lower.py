@@ -193,6 +193,7 @@ class KernelLowering:
         self.prefetches = (options or {}).get("prefetch", PREFETCH)  # the tuned options (CpuDevice.tune)
         args = [PTR] * len(kernel.buffers) + [I32] * len(kernel.scalars) + [I32, I32, PTR, PTR]
         self.fn = L.Function(module, L.FunctionType(VOID, args), name=f"k_{kernel.name}_{kernel.key()}")
+        self.k = kernel = ir.expand_tile_dots(kernel, lambda s: amx_fits(s, isa))
         self.fn.attributes.add("noinline")
         # allocas live in their own entry block so that two builders never insert into one block
         self.alloca_b = L.IRBuilder(self.fn.append_basic_block("entry"))
@@ -361,8 +362,44 @@ class KernelLowering:
             first = b.gep(self.ptrs[s.buf], [self.expr(s.index)], source_etype=STORAGE[dt])
             for line in range(0, s.count * ir.STORAGE_DTYPES[dt], LINE):
                 self.prefetch(b.gep(first, [L.Constant(I32, line)], source_etype=I8), 3 if s.near else 2)
+        elif isinstance(s, ir.TileDot):  # the others were expanded into loops (__init__)
+            self.amx_tile_dot(s)
         else:
             raise ir.IRError(f"cannot lower {s!r}")
+
+    def amx_tile_dot(self, s):
+        """A TileDot on AMX: tile 0 the input rows (64 bytes of each at a time), 1 a weights tile, 2 ... one
+        accumulator per output, stored once at the end."""
+        b, tile = self.b, lambda t: L.Constant(I8, t)
+        call = lambda name, args: b.call(self.declare(f"llvm.x86.{name}", VOID, [a.type for a in args]), args)
+        call("ldtilecfg", [self.tile_config(s.m, len(s.outs))])
+        for t in range(len(s.outs)):
+            call("tilezero", [tile(2 + t)])
+        a0, b0s = self.expr(s.a0), [self.expr(b0) for b0, _ in s.outs]
+        row = L.Constant(I64, 4 * s.n)
+        for step in range(s.words // AMX_WORDS):
+            call("tileloadd64", [tile(0), self.element(s.a, [a0, L.Constant(I32, 4 * AMX_WORDS * step)]),
+                                 L.Constant(I64, s.a_stride)])
+            for t, b0 in enumerate(b0s):
+                call("tileloadd64", [tile(1), self.element(s.b, [b0, L.Constant(I32, AMX_WORDS * step * s.n)]), row])
+                call("tdpbsud", [tile(2 + t), tile(0), tile(1)])
+        for t, (_, o0) in enumerate(s.outs):
+            call("tilestored64", [tile(2 + t), self.element(s.out, [self.expr(o0)]), L.Constant(I64, 4 * s.o_stride)])
+
+    def tile_config(self, m, outs):
+        """The module's AMX tile configuration for `amx_tile_dot`s of m input rows and `outs` outputs: palette 1;
+        tile 0 m rows of 64 bytes, tile 1 16 rows of 64 (a weights tile), tiles 2 .. m rows of 64."""
+        name = f"amx_config_{m}x{outs}"
+        if name in self.module.globals:
+            return self.module.globals[name]
+        cfg = [0] * 64
+        cfg[0] = 1
+        for t, rows in enumerate([m, AMX_WORDS] + [m] * outs):
+            cfg[16 + 2 * t], cfg[48 + t] = 64, rows
+        g = L.GlobalVariable(self.module, L.ArrayType(I8, 64), name)
+        g.global_constant, g.linkage, g.align = True, "internal", 64
+        g.initializer = L.Constant(L.ArrayType(I8, 64), cfg)
+        return g
 
     def loop_stmt(self, s):
         start, ext = self.expr(s.start), self.expr(s.extent)
@@ -1412,6 +1449,16 @@ def _signed32(v):
 def claim_counters(kernel) -> int:
     """Claim counters a launch of kernel uses: one per top-level parallel loop."""
     return sum(isinstance(s, ir.Loop) and s.kind == "parallel" for s in kernel.body)
+
+
+AMX_WORDS = 16  # 4-byte words of a row that one AMX tile multiply takes (a tile row is 64 bytes)
+
+
+def amx_fits(s, isa):
+    """Whether TileDot s runs on AMX on a CPU of instructions isa: its weights 16 columns, a tile's; up to 16 input
+    rows; whole tile rows; accumulators (tiles 2 ..) for all its outputs."""
+    return {"amx-tile", "amx-int8"} <= isa and s.n == 16 and s.m <= 16 and s.words % AMX_WORDS == 0 \
+        and len(s.outs) <= 6
 
 
 def has_vnni(n, isa):

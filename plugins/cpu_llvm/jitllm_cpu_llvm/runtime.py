@@ -11,6 +11,8 @@ import concurrent.futures
 import ctypes
 import functools
 import os
+import platform
+import sys
 import threading
 from pathlib import Path
 
@@ -93,15 +95,28 @@ def simd_width(feats=None):
     return 16 if feats.get("avx512f") else 8 if feats.get("avx2") else 4
 
 
-# what the lowering picks instructions by: IR dot4's byte dots, lut16's byte shuffles
-ISA = ("avx512vnni", "avxvnni", "avx512vl", "avx512bw", "avx2", "ssse3")
+# what the lowering picks instructions by: IR dot4's byte dots, lut16's byte shuffles, TileDot's tile multiplies
+ISA = ("avx512vnni", "avxvnni", "avx512vl", "avx512bw", "avx2", "ssse3", "amx-tile", "amx-int8")
+AMX = {"amx-tile", "amx-int8"}
 
 
 def isa(feats=None):
     """The x86 features of this CPU (or of feats) that the lowering chooses instructions by (VNNI's byte dots and
-    the like)."""
-    feats = host()[3] if feats is None else feats
-    return frozenset(f for f in ISA if feats.get(f))
+    the like); this CPU's AMX only where Linux lets the process use its tiles (`amx_permitted`)."""
+    own = feats is None
+    feats = host()[3] if own else feats
+    have = frozenset(f for f in ISA if feats.get(f))
+    return have if not own or not AMX <= have or amx_permitted() else have - AMX
+
+
+@functools.cache
+def amx_permitted() -> bool:
+    """Ask Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA), which a process must have
+    before its first tile instruction; the answer holds for the process's threads."""
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
 
 
 def compile_failed(device_name, e):

@@ -119,7 +119,7 @@ class Lowered:
 
 def lower(k: ir.Kernel) -> Lowered:
     """IR -> CUDA C. Deterministic: the same kernel always gives the same text."""
-    k.finish()
+    k = ir.expand_tile_dots(k.finish())
     segments = [[]]
     for s in k.body:
         if isinstance(s, ir.Barrier):

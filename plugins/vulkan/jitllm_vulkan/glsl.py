@@ -558,7 +558,7 @@ def _dispatch_groups(body) -> list[list]:
 
 def lower(k: ir.Kernel, t: Target) -> Lowered:
     """The dispatches of one kernel for one device target (same kernel + target -> same source)."""
-    k.finish()
+    k = ir.expand_tile_dots(k.finish())
     lw = _Lowerer(k, t)
     segs = _dispatch_groups(k.body)
     n_desc = 1 + sum(b.chunks for b in lw.bufs.values())
