@@ -86,6 +86,12 @@ class Stream:
         self._events.close()
 
 
+def tile_dots(caps) -> bool:
+    """Whether a device runs TileDot as matrix instructions (Caps.extra["tile_dots"]), so that its prefill steps
+    take integer tile matmuls (`Llama._tile_matmul`)."""
+    return bool(caps.extra.get("tile_dots"))
+
+
 class DeviceState:
     """What one device holds for this engine: per-device activations, constants and resident weights."""
 
@@ -95,7 +101,7 @@ class DeviceState:
         self.weights = {}   # tensor name -> [Buffer, users]
         self.slots = []     # two {role: Buffer} for streamed units
         try:
-            for n, (dt, size) in model.activations().items():
+            for n, (dt, size) in model.activations(tile_dots(arena.dev.caps)).items():
                 self.acts[n] = arena.alloc(max(4, size * ir.STORAGE_DTYPES[dt]))
             for name, data in constants.items():
                 self.consts[name] = arena.alloc(data.nbytes)
@@ -312,8 +318,9 @@ class Engine:
         weight = (lambda n: ds.weights[n][0]) if slot is None else (lambda n: ds.slots[slot][_role(n)])
         # a device may decline the prefill matmul (Caps.extra["prefill_matmul"]): its prefill then runs the decode one
         prefill = prefill and self.devices[dev_name].caps.extra.get("prefill_matmul", True)
-        tile = ops.gemm_tile(self.devices[dev_name].caps.registers)
-        for lt in self.model.unit_launches(unit, prefill, self._interleaves(dev_name), tile, batch):
+        caps = self.devices[dev_name].caps
+        for lt in self.model.unit_launches(unit, prefill, self._interleaves(dev_name), ops.gemm_tile(caps.registers),
+                                           batch, tile_dots(caps)):
             bufs = {}
             for param, ref in lt.buffers.items():
                 kind, name = ref.split(":", 1)

@@ -78,14 +78,15 @@ def _column_chunk(fmt, cols):
     return next((c for c in range(PREFILL_CHUNK_COLS // fmt.block * fmt.block, 0, -fmt.block) if cols % c == 0), 0)
 
 
-def prefill_matmuls(fmt, rows, cols, T, accumulate=False, bias=False, tile=ops.GEMM_TILE):
+def prefill_matmuls(fmt, rows, cols, T, accumulate=False, bias=False, tile=ops.GEMM_TILE, tile_dots=False):
     """A prefill matmul of weights in layout fmt as (kernel, {scalar: value}) per column chunk (`_column_chunk`),
     in launch order: the first adds the bias (and accumulates if the matmul does), the others add to what it
-    wrote."""
+    wrote. tile_dots: integer tile matmuls (`ops.tile_matmul`) instead."""
     ccols = _column_chunk(fmt, cols)
     for c0 in range(0, cols, ccols or cols):
-        yield (ops.prefill_matmul(fmt, rows, cols, T, accumulate=accumulate or c0 > 0, bias=bias and c0 == 0,
-                                  chunk_cols=ccols, tile=tile), {"col0": c0} if ccols else {})
+        acc, b = accumulate or c0 > 0, bias and c0 == 0
+        yield (ops.tile_matmul(fmt, rows, cols, T, acc, b, ccols) if tile_dots else
+               ops.prefill_matmul(fmt, rows, cols, T, acc, b, ccols, tile), {"col0": c0} if ccols else {})
 
 
 class Llama:
@@ -112,7 +113,9 @@ class Llama:
         self.constants = {"zero": 0}  # scalar values the launches name, the same at every step
 
     # -- sizes of the per-device activations
-    def activations(self):
+    def activations(self, tile_dots=True):
+        """{name: (dtype, elements)}; tile_dots: with the inputs and scratch of integer tile matmuls (`_tile_matmul`),
+        which a device of matrix instructions takes."""
         c, T = self.cfg, self.T
         q, kv, ffn = c.n_head * c.head_dim, c.n_kv * c.head_dim, max(c.ffn, c.shared_ffn)
         inp = T * max(c.dim, q, ffn)  # the widest matmul input of a step
@@ -133,7 +136,18 @@ class Llama:
                                     for name, (shape, as_f32) in self.weight_shapes(0).items()
                                     if not as_f32 and shape[0] % ROWS == 0), default=1)),
                 # a matmul's input as the dot4 layouts read it (ops.quantize_input)
-                "xq": ("u8", inp * self.digits), "xd": ("f32", inp // 32), "xs": ("f32", inp // 16)}
+                "xq": ("u8", inp * self.digits), "xd": ("f32", inp // 32), "xs": ("f32", inp // 16),
+                **(self._tile_activations(inp // T) if tile_dots else {})}
+
+    def _tile_activations(self, cols):
+        """The integer tile matmuls' input, quantized in spans of ops.TILE_SPAN for `cols` columns at most, and their
+        scratch: each layer matrix's (`ops.tile_scratch`), the largest."""
+        Tp = ops.tile_tokens(self.T)
+        words, scales = zip(*[ops.tile_scratch(shape[0], min(shape[1], PREFILL_CHUNK_COLS))
+                              for shape, as_f32 in self.weight_shapes(0).values()
+                              if not as_f32 and shape[0] % ROWS == 0 and shape[1] % ops.TILE_SPAN == 0] or [(1, 1)])
+        return {"xt": ("u8", Tp * quant.DIGITS * cols), "xtd": ("f32", Tp * cols // ops.TILE_SPAN),
+                "xts": ("f32", Tp * cols // 16), "wt": ("i32", max(words)), "wts": ("f32", max(scales))}
 
     def activation_bytes(self):
         """What every device that runs a unit holds besides the units: activations, constants (the rope tables),
@@ -250,15 +264,21 @@ class Llama:
         vectors), unless the dot4 layouts' int8 inputs make the decode matmul the faster one."""
         return prefill and interleave and rows % ROWS == 0 and not (fmt.digits and self.digits == quant.INT8)
 
+    def _tile_matmul(self, fmt, rows, cols, prefill, interleave, tile_dots):
+        """Whether a matmul goes through the integer tile matmul (`ops.tile_matmul`) instead of the prefill one: on a
+        device of matrix instructions (tile_dots), for the formats of that form, in the exact mode."""
+        return tile_dots and self._prefill_matmul(fmt, rows, prefill, interleave) and self.digits == quant.DIGITS \
+            and ops.tile_dots_fit(fmt, rows, cols)
+
     def _mm(self, name, x, y, rows, cols, acc=False, bias=None, logits=False, prefill=False, interleave=True,
-            tile=ops.GEMM_TILE, scalars=EVERY_TOKEN, slot=None, into="x", batch=False):
+            tile=ops.GEMM_TILE, scalars=EVERY_TOKEN, slot=None, into="x", batch=False, tile_dots=False):
         """Matmul launches, for every token (`scalars` EVERY_TOKEN) or from the step's `t0` ({}: where only the
         wanted tokens' outputs are, the LM head's and the last layer's queries and after its attention). Through the
         prefill matmul (`_prefill_matmul`, its register tile `tile`), the weights are dequantized to f32 once
         and reused by every token of the step. slot: a mixture of experts' weights, each token's rows those of the
         expert the router chose for it in that slot (the decode matmul, token by token). into: the dot4 layouts'
         quantized input's buffers (`_inputs`). batch: a batched decode step's, each weight used for BATCH_TOKENS
-        tokens at a time."""
+        tokens at a time. tile_dots: the device runs integer tile matmuls (`_tile_matmul`)."""
         c = self.cfg
         fmt = self.fmt(name, (rows * (c.experts if slot is not None else 1), cols), interleave)
         bufs = {"y": f"a:{y}", **({"b": f"w:{bias}"} if bias else {})}
@@ -276,12 +296,14 @@ class Llama:
                                               self.digits, tokens),
                                    {"w": f"w:{name}", "x": f"a:{x}", **bufs, **self._digits(fmt, into)}, scalars)]
         out = []
-        for mm, at in prefill_matmuls(fmt, rows, cols, self.T, acc, bias is not None, tile):
+        tiles = self._tile_matmul(fmt, rows, cols, prefill, interleave, tile_dots)
+        inputs = {"xq": "a:xt", "xd": "a:xtd", "xs": "a:xts", "wt": "a:wt", "wts": "a:wts"} if tiles else \
+            {"x": f"a:{x}", "wdq": "a:wdq"}
+        for mm, at in prefill_matmuls(fmt, rows, cols, self.T, acc, bias is not None, tile, tiles):
             names = {s: f"{s}_{v}" for s, v in at.items()}  # constants, the same at every step
             self.constants.update({names[s]: v for s, v in at.items()})
             outs = {b: n for b, n in bufs.items() if b in mm.buffers}  # a later column chunk's: no bias
-            out.append(LaunchTemplate(mm, {"w": f"w:{name}", "x": f"a:{x}", "wdq": "a:wdq", **outs},
-                                      {**scalars, **names}))
+            out.append(LaunchTemplate(mm, {"w": f"w:{name}", **inputs, **outs}, {**scalars, **names}))
         return out
 
     @staticmethod
@@ -294,23 +316,28 @@ class Llama:
         """A matmul's quantized input buffers, where its layout is a dot4 one."""
         return self._quantized(into) if fmt.digits else {}
 
-    def _inputs(self, x, cols, unit, names, prefill=False, interleave=True, into="x"):
-        """The launch that writes activation x as the dot4 layouts' matmuls of weights `names` (of `unit`) read it,
-        quantized (`_digits(into)`), if any of them is such a matmul (the prefill matmul reads x itself; a mixture
-        of experts' never runs there)."""
+    def _inputs(self, x, cols, unit, names, prefill=False, interleave=True, into="x", tile_dots=False):
+        """The launches that write activation x as the matmuls of weights `names` (of `unit`) read it, quantized: as
+        the dot4 layouts' do (`_digits(into)`), if any of them is such a matmul (the prefill matmul reads x itself; a
+        mixture of experts' never runs there), and as integer tile matmuls do (`_tile_matmul`), if any is one."""
         shapes = self.weight_shapes(unit)
-        if not any(f.digits and (experts_tensor(n) or
-                                 not self._prefill_matmul(f, shapes[n][0][0], prefill, interleave))
-                   for n, f in ((n, self.fmt(n, shapes[n][0], interleave)) for n in names)):
-            return []
-        return [LaunchTemplate(ops.quantize_input(cols, self.T, self.digits),
-                               {"x": f"a:{x}", **self._quantized(into)})]
+        fmts = [(n, self.fmt(n, shapes[n][0], interleave), shapes[n][0]) for n in names]
+        out = []
+        if any(f.digits and (experts_tensor(n) or not self._prefill_matmul(f, shape[0], prefill, interleave))
+               for n, f, shape in fmts):
+            out.append(LaunchTemplate(ops.quantize_input(cols, self.T, self.digits),
+                                      {"x": f"a:{x}", **self._quantized(into)}))
+        if any(not experts_tensor(n) and self._tile_matmul(f, shape[0], shape[1], prefill, interleave, tile_dots)
+               for n, f, shape in fmts):
+            out.append(LaunchTemplate(ops.quantize_input(cols, self.T, quant.DIGITS, ops.TILE_SPAN),
+                                      {"x": f"a:{x}", "xq": "a:xt", "xd": "a:xtd", "xs": "a:xts"}))
+        return out
 
-    def unit_launches(self, unit, prefill=False, interleave=True, tile=ops.GEMM_TILE, batch=False):
+    def unit_launches(self, unit, prefill=False, interleave=True, tile=ops.GEMM_TILE, batch=False, tile_dots=False):
         """The unit's launches for a decode step, or (prefill=True) for a step of many tokens, or (batch=True) for
         a decode step of up to self.batch tokens, each at the end of its sequence or of a draft before it (positions
         and page tables per token: activation tpos, KV buffer bptab), in the schedule `interleaves` chooses for the device (and with the prefill matmul's
-        `tile`, `ops.gemm_tile`)."""
+        `tile`, `ops.gemm_tile`; tile_dots: on a device of matrix instructions, `_tile_matmul`)."""
         c, T = self.cfg, self.T
         norm = ops.rmsnorm(c.dim, T, c.eps, not interleave)
         if unit == "embed":
@@ -331,9 +358,10 @@ class Llama:
         batched = self.batch if batch else 0  # the position ops' batch size (0: one sequence's step)
         kvb = {"ptab": "kv:bptab", "tpos": "a:tpos"} if batch else {"ptab": "kv:ptab"}
         kvb.update(kc="kv:k", vc="kv:v")
-        mm = functools.partial(self._mm, prefill=prefill, interleave=interleave, tile=tile, batch=batch)
+        mm = functools.partial(self._mm, prefill=prefill, interleave=interleave, tile=tile, batch=batch,
+                               tile_dots=tile_dots)
         inputs = lambda x, cols, *names, into="x": self._inputs(x, cols, unit, [p + n + ".weight" for n in names],
-                                                                prefill, interleave, into)
+                                                                prefill, interleave, into, tile_dots)
         # the last layer's queries and what follows its attention feed only the LM head: from t0 (its keys and
         # values, every token's, go to the cache), as llama.cpp's graph keeps only the output rows there
         only_wanted = {} if unit == c.n_layer - 1 else EVERY_TOKEN

@@ -209,9 +209,10 @@ def digit_max(digits: int) -> int:
 
 
 @functools.cache
-def quantize_input(cols: int, T: int, digits: int = DIGITS) -> ir.Kernel:
+def quantize_input(cols: int, T: int, digits: int = DIGITS, span: int = 32) -> ir.Kernel:
     """x -> what the dot4 layouts' dots read of it (quant.Input), once per input instead of once per row: per span
-    of 32 elements a scale, max |x| / digit_max, and each element's integer round(x / scale) as `digits` balanced
+    of 32 elements (or `span`: 256 for `tile_matmul`) a scale, max |x| / digit_max, and each element's integer
+    round(x / scale) as `digits` balanced
     base-256 digits (each in [-128, 127], an int8 for dot4; digit i of a token's elements in a row of bytes, 4
     consecutive elements a word); per span of 16 the sum of those values. With DIGITS (3), each element within
     2^-24 of its span's largest |x|: the error of one f32 rounding of the span's largest product, so a dot's
@@ -219,22 +220,24 @@ def quantize_input(cols: int, T: int, digits: int = DIGITS) -> ir.Kernel:
     on SmolLM2), for three quarters of the integer products of 4 digits (each element's own 24 bits, 30 of the
     largest). With INT8 (1), as llama.cpp quantizes activations: SmolLM2's logits move by ~1."""
     top_int = digit_max(digits)
-    k = ir.Kernel(f"quantize_input_{cols}_T{T}" + (f"_d{digits}" if digits != DIGITS else ""))
+    k = ir.Kernel(f"quantize_input_{cols}_T{T}" + (f"_d{digits}" if digits != DIGITS else "")
+                  + (f"_s{span}" if span != 32 else ""))
     k.buffer("x", "f32", T * cols), k.buffer("xq", "u8", T * digits * cols, True)
-    k.buffer("xd", "f32", T * cols // 32, True), k.buffer("xs", "f32", T * cols // 16, True)
-    spans = cols // 32
+    k.buffer("xd", "f32", T * cols // span, True), k.buffer("xs", "f32", T * cols // 16, True)
+    spans = cols // span
     with k.parallel("ts", k.scalar("n_tokens") * spans) as ts:  # span ts of the step's inputs
-        t, c0 = ts // spans, ts % spans * 32
-        x = lambda j: k.load("x", ts * 32 + j)
-        top = k.let("top", ir.reduce("max", "j", 32, lambda j: ir.Un("abs", x(j)), "vector"))
+        t, c0 = ts // spans, ts % spans * span
+        x = lambda j: k.load("x", ts * span + j)
+        top = k.let("top", ir.reduce("max", "j", span, lambda j: ir.Un("abs", x(j)), "vector"))
         scale = k.let("scale", top * (1.0 / top_int))
         k.store("xd", ts, scale)
         inv = k.let("inv", float(top_int) / ir.vmax(top, 1e-30))  # a span of zeros stays zeros
         # clamped: x / scale rounds to f32 first, and the span's largest could come out a step beyond
         integer = lambda j: ir.i32(ir.Un("floor", ir.vmin(ir.vmax(x(j) * inv, -top_int), top_int) + 0.5))
-        for h in range(2):  # sums of the quantized values: offsets then weigh the same input as the dots
-            k.store("xs", ts * 2 + h, ir.reduce("add", "j", 16, lambda j: F(integer(16 * h + j)), "vector") * scale)
-        with k.loop("j", 32, "vector") as j:
+        for h in range(span // 16):  # sums of the quantized values: offsets then weigh the same input as the dots
+            k.store("xs", ts * (span // 16) + h,
+                    ir.reduce("add", "j", 16, lambda j: F(integer(16 * h + j)), "vector") * scale)
+        with k.loop("j", span, "vector") as j:
             v = integer(j)
             for i in range(digits):  # digit i is v's low byte (stored); v - digit, over 256, is the rest
                 k.store("xq", (t * digits + i) * cols + c0 + j, v)
@@ -394,6 +397,125 @@ def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, 
                     with k.if_(full * N + short * (N - 1) < n):
                         tile(full * N, tail)
                 k.barrier()  # before the next block overwrites the scratch
+    return k.finish()
+
+
+# The prefill matmul of integer tiles (`tile_matmul`): TILE_TOKENS tokens' DIGITS digits are a TileDot's input rows
+# (15 of an AMX tile's 16), against weights of a format's integer form (`Format.integers`) in blocks of TILE_SPAN
+# columns: one scale a row (d) and one a token (the input's, quantized in spans of TILE_SPAN), so that a tile sums a
+# whole block before the scales, and each row's integer takes two bytes (TILE_PLANES tile dots)
+TILE_TOKENS = 5
+TILE_SPAN = 256
+TILE_PLANES = 2
+_TILE_WORDS = TILE_SPAN // 4 * ROWS                    # i32 words of one plane of a block of a row group
+_TILE_OUT = TILE_TOKENS * DIGITS * ROWS                 # i32 sums of one plane of a block: input rows x rows
+_TILE_SCALES = (1 + TILE_SPAN // 32) * ROWS             # f32 of a block of a row group: d, the spans' offsets
+
+
+def tile_tokens(T: int) -> int:
+    """Tokens an input of a step of T tokens holds for `tile_matmul`: whole tiles, the last one's past T unused."""
+    return -(-T // TILE_TOKENS) * TILE_TOKENS
+
+
+def tile_dots_fit(fmt: Format, rows: int, cols: int) -> bool:
+    """Whether a matmul of weights in layout fmt goes through `tile_matmul`."""
+    return fmt.integer_tiles and fmt.block == TILE_SPAN and rows % ROWS == 0 and cols % TILE_SPAN == 0
+
+
+def _tile_slices(rows):
+    return min(GEMM_SLICES, rows // ROWS)
+
+
+def tile_scratch(rows: int, width: int) -> tuple[int, int]:
+    """(i32, f32) elements of a tile matmul's scratch (`wt`, `wts`): each slice's integer planes and sums, its
+    scales and offsets, for a row group's blocks over `width` columns."""
+    blocks, slices = width // TILE_SPAN, _tile_slices(rows)
+    return slices * blocks * TILE_PLANES * (_TILE_WORDS + _TILE_OUT), slices * blocks * _TILE_SCALES
+
+
+@functools.cache
+def tile_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=False, chunk_cols=0) -> ir.Kernel:
+    """`prefill_matmul`'s product by integer tile dots, for a device that runs TileDot as matrix instructions: each
+    parallel iteration (a slice of the row groups) writes a row group's blocks in the format's integer form (d,
+    the offsets of its spans of 32, and each weight's integer as two planes of bytes: `Format.integers`), then
+    takes the step's tokens TILE_TOKENS at a time: per block one TileDot of their digits (the input as
+    `quantize_input(span=TILE_SPAN)` writes it) by each plane, exact in i32, and per token and row the sum over
+    blocks of d x the token's block scale x (its digits' and planes' sums, weighed) + the offsets x the token's
+    span sums. Values as exact as the f32 product (digits within 2^-24 of their span's largest; dots in i32).
+    Tokens outside [t0, n_tokens) compute on what the input holds and store nothing."""
+    width = chunk_cols or cols
+    if not tile_dots_fit(fmt, rows, width):
+        raise ir.IRError(f"tile matmul {rows}x{cols}: {fmt.name} rows in groups of {ROWS} by blocks of {TILE_SPAN}")
+    nb, slices, Tp = width // TILE_SPAN, _tile_slices(rows), tile_tokens(T)
+    k = ir.Kernel(f"tilemm_{fmt.name}_{rows}x{cols}_T{T}{f'_k{chunk_cols}' if chunk_cols else ''}"
+                  f"{'_acc' if accumulate else ''}{'_bias' if bias else ''}")
+    k.buffer("w", fmt.storage, rows * fmt.row_units(cols))
+    k.buffer("xq", "u8", Tp * DIGITS * cols), k.buffer("xd", "f32", Tp * cols // TILE_SPAN)
+    k.buffer("xs", "f32", Tp * cols // 16)
+    k.w_read = lambda n_tokens: rows * fmt.row_units(width)
+    k.flops = lambda n_tokens: 2 * rows * width * n_tokens
+    if bias:
+        k.buffer("b", "f32", rows)
+    k.buffer("y", "f32", T * rows, True)
+    words, scales = tile_scratch(rows, width)
+    k.buffer("wt", "i32", words, True), k.buffer("wts", "f32", scales, True)
+    n, t0 = k.scalar("n_tokens"), k.scalar("t0")
+    col0 = k.scalar("col0") if chunk_cols else 0
+    groups, G = rows // ROWS, TILE_TOKENS
+    first = t0 // G
+    with k.parallel("s", slices) as s:
+        planes = k.let("planes", s * (words // slices))  # [block, plane, word, lane]
+        sums = planes + nb * TILE_PLANES * _TILE_WORDS   # [block, plane, input row, lane]
+        sc = k.let("sc", s * (scales // slices))          # [block, d / span offsets, lane]
+        g0 = k.let("g0", s * groups // slices)
+        with k.loop("rg", (s + 1) * groups // slices - g0, "serial", start=g0) as rg:
+            with k.loop("b", nb, "serial") as b:
+                for p in range(fmt.pieces):  # unrolled: the elements' places, and so their words, are numbers
+                    with k.loop("l", ROWS, "vector") as l:
+                        d, ints, offsets = fmt.integers(k, "w", fmt.at(rg, col0 // fmt.block + b, cols // fmt.block, l),
+                                                        p)
+                        k.store("wts", sc + b * _TILE_SCALES + l, d)
+                        for j, o in offsets:
+                            k.store("wts", sc + b * _TILE_SCALES + (1 + j) * ROWS + l, o)
+                        u = dict(ints)
+                        for e in sorted(u)[::4]:  # a word of 4 elements' bytes per plane
+                            for plane in range(TILE_PLANES):
+                                byte = lambda q: (u[e + q] >> 8 * plane) & 255 if plane + 1 < TILE_PLANES \
+                                    else u[e + q] >> 8 * plane
+                                word = byte(0) | (byte(1) << 8) | (byte(2) << 16) | (byte(3) << 24)
+                                k.store("wt", planes + ((b * TILE_PLANES + plane) * (TILE_SPAN // 4) + e // 4) * ROWS
+                                        + l, word)
+            k.barrier()
+            with k.loop("g", (n - first * G + G - 1) // G, "serial", start=first) as g:
+                with k.loop("b", nb, "serial") as b:
+                    k.tile_dot("xq", g * (G * DIGITS * cols) + col0 + b * TILE_SPAN, cols, "wt", "wt",
+                               [(planes + (b * TILE_PLANES + plane) * _TILE_WORDS,
+                                 sums + (b * TILE_PLANES + plane) * _TILE_OUT) for plane in range(TILE_PLANES)],
+                               G * DIGITS, ROWS, TILE_SPAN // 4, ROWS)
+                k.barrier()
+                with k.loop("l", ROWS, "vector") as l:
+                    for tt in range(G):
+                        tok = g * G + tt
+
+                        def block(b, tt=tt, tok=tok):
+                            at = lambda plane, i: sums + (b * TILE_PLANES + plane) * _TILE_OUT \
+                                + (tt * DIGITS + i) * ROWS + l
+                            ints = [sum((k.load("wt", at(pl, i)) << 8 * pl for pl in range(1, TILE_PLANES)),
+                                        k.load("wt", at(0, i))) for i in range(DIGITS)]
+                            dot = sum((F(v) * float(256 ** i) for i, v in enumerate(ints) if i), F(ints[0]))
+                            span0 = tok * (cols // 16) + (col0 + b * TILE_SPAN) // 16
+                            offs = [k.load("wts", sc + b * _TILE_SCALES + (1 + j) * ROWS + l)
+                                    * (k.load("xs", span0 + 2 * j) + k.load("xs", span0 + 2 * j + 1))
+                                    for j in range(TILE_SPAN // 32)]
+                            scaled = k.load("wts", sc + b * _TILE_SCALES + l) * k.load(
+                                "xd", tok * (cols // TILE_SPAN) + (col0 + b * TILE_SPAN) // TILE_SPAN) * dot
+                            return sum(offs, scaled)
+                        v = k.let(f"v{tt}", ir.reduce("add", "b", nb, block))
+                        r = rg * ROWS + l
+                        with k.if_(ir.Bin("land", tok >= t0, tok < n)):
+                            out = v + k.load("y", tok * rows + r) if accumulate else v
+                            k.store("y", tok * rows + r, out + k.load("b", r) if bias else out)
+            k.barrier()
     return k.finish()
 
 

@@ -59,6 +59,7 @@ class Format:
     digits = False    # dots read the input as integer digits (Input.word), scales and sums (ops.quantize_input)
     halves = ()       # byte offsets of a file block's f16 fields (its scales): where random test blocks need finite ones
     interleave = 1    # rows stored together (Interleaved: ROWS)
+    integer_tiles = False  # has the integer form of blocks of 256 that integer tile dots take (Interleaved.integers)
 
     def row_units(self, cols):
         return cols // self.block * self.unit
@@ -385,6 +386,12 @@ class Interleaved(Format):
         """[(element of the block, value)] of the block's piece `piece` (an expression)"""
         raise NotImplementedError
 
+    def integers(self, k, buf, at, piece):
+        """The block's piece `piece` (a number) as integers, where the format has that form (`integer_tiles`): (d,
+        [(element, u)], [(span, offset)]) with each value = d * u + the offset of its span of 32, d one per block of
+        256, u an i32 in [0, 2^14] -- two bytes of weights for integer tile dots (`ops.tile_matmul`)."""
+        raise NotImplementedError
+
 
 def _word(k, buf, i):
     return _u16(k, buf, i) | (_u16(k, buf, i + 2) << 16)
@@ -447,16 +454,21 @@ def _nibble_dot(k, buf, at, off, inp, e0, fifth=None, table=None):
 
 
 def _nibbles(k, buf, at, off, fifth=None, table=None):
+    return [(e, F(q)) for e, q in _nibble_ints(k, buf, at, off, fifth, table)]
+
+
+def _nibble_ints(k, buf, at, off, fifth=None, table=None):
+    """[(element, q)] of a sub-block of 32 whose nibble words start at field `off` (`_quants`), q an i32."""
     out = []
     for w in range(4):
         if fifth is None:  # each value a shift and a mask (or a lookup) away
             q = _word(k, buf, at(off + 4 * w, 4))
             code = lambda e, j: q >> (8 * j + 4 * (e // 16))
-            out += [(e + 4 * w + j, F(code(e, j) & 15) if table is None else F(ir.lut16(code(e, j), table, 1)))
+            out += [(e + 4 * w + j, code(e, j) & 15 if table is None else ir.lut16(code(e, j), table, 1))
                     for e in (0, 16) for j in range(4)]
             continue
         for e, q in zip((0, 16), _quants(k, buf, at, off, fifth, w)):
-            out += [(e + 4 * w + j, F((q >> 8 * j) & 31)) for j in range(4)]
+            out += [(e + 4 * w + j, (q >> 8 * j) & 31) for j in range(4)]
     return out
 
 
@@ -539,17 +551,30 @@ class R4K(Affine4):
     fifth bits, a sub-block's each][8 x 4 words of nibbles]."""
     pieces = 2
     fifth = None
+    integer_tiles = True
 
     def subs(self, k, buf, at, piece):
+        d, subs = self.integer_subs(k, buf, at, piece)
+        return [(d * F(sc), offset, off, fifth, e0) for sc, offset, off, fifth, e0 in subs]
+
+    def integer_subs(self, k, buf, at, piece):
+        """(d, [(6-bit scale (i32), offset, field of the nibble words, of the fifth bits or None, first element)]) of
+        the piece's sub-blocks: value = d * scale * q + offset"""
         dm = _word(k, buf, at(0, 4))
         d, dmin = ir.f16bits(dm), ir.f16bits(dm >> 16)
         n = 8 // self.pieces
         scales, mins = _k4_scales_mins(lambda i: _word(k, buf, at(4 + 4 * i, 4)), piece)
-        byte = lambda w, j: F((w >> 8 * j) & 255)
+        byte = lambda w, j: (w >> 8 * j) & 255
         quants = 16 if self.fifth is None else 48
-        return [(d * byte(scales, j), -(dmin * byte(mins, j)), quants + 16 * (piece * n + j),
-                 None if self.fifth is None else self.fifth + 4 * (piece * n + j), 32 * (piece * n + j))
-                for j in range(n)]
+        return d, [(byte(scales, j), -(dmin * F(byte(mins, j))), quants + 16 * (piece * n + j),
+                    None if self.fifth is None else self.fifth + 4 * (piece * n + j), 32 * (piece * n + j))
+                   for j in range(n)]
+
+    def integers(self, k, buf, at, piece):
+        d, subs = self.integer_subs(k, buf, at, piece)
+        ints = [(e0 + e, sc * q) for sc, _, off, fifth, e0 in subs for e, q in _nibble_ints(k, buf, at, off, fifth)]
+        return d, ints, \
+            [(piece * len(subs) + j, offset) for j, (_, offset, _, _, _) in enumerate(subs)]
 
 
 class R5K(R4K):
@@ -643,6 +668,7 @@ class R6(Interleaved):
     `benchmarks/kernels.py --only decode`)."""
     digits = True
     pieces = 4
+    integer_tiles = True
 
     def quads(self, k, buf, at, s):
         """the 4 words of q of sub-block s (an expression), byte j of word i: element 4 i + j"""
@@ -651,14 +677,14 @@ class R6(Interleaved):
             [((w[0] >> 6) & 0x03030303) | ((w[1] >> 4) & 0x0C0C0C0C) | ((w[2] >> 2) & 0x30303030)]
 
     def scale(self, k, buf, at, s4, j):
-        """scale of sub-block 4 s4 + j"""
-        return F((_word(k, buf, at(4 + 4 * s4, 4)) << 24 - 8 * j) >> 24)
+        """scale of sub-block 4 s4 + j (an i32)"""
+        return (_word(k, buf, at(4 + 4 * s4, 4)) << 24 - 8 * j) >> 24
 
     def block_dot(self, k, buf, at, inp, piece):
         d, subs, n = ir.f16bits(_word(k, buf, at(0, 4))), [], 16 // self.pieces
         for j in range(n):
             s, e0 = piece * n + j, piece * 16 * n + 16 * j
-            subs.append((d * self.scale(k, buf, at, *_byte_of(piece, n, j)))
+            subs.append((d * F(self.scale(k, buf, at, *_byte_of(piece, n, j))))
                         * (_quad_dot(self.quads(k, buf, at, s), inp, e0) - 32.0 * inp.sum(e0)))
         return sum(subs[1:], subs[0])
 
@@ -666,10 +692,20 @@ class R6(Interleaved):
         d, out, n = ir.f16bits(_word(k, buf, at(0, 4))), [], 16 // self.pieces
         for j in range(n):
             s = piece * n + j
-            sc = d * self.scale(k, buf, at, *_byte_of(piece, n, j))
+            sc = d * F(self.scale(k, buf, at, *_byte_of(piece, n, j)))
             out += [(16 * s + 4 * i + b, sc * F(((q >> 8 * b) & 63) - 32))
                     for i, q in enumerate(self.quads(k, buf, at, s)) for b in range(4)]
         return out
+
+    def integers(self, k, buf, at, piece):
+        """value = d * (u - 4096): u = scale * (q - 32) + 4096, in [32, 8192]"""
+        d, ints, n = ir.f16bits(_word(k, buf, at(0, 4))), [], 16 // self.pieces
+        for j in range(n):
+            s, sc = piece * n + j, self.scale(k, buf, at, *_byte_of(piece, n, j))
+            ints += [(16 * s + 4 * i + b, sc * (((q >> 8 * b) & 63) - 32) + 4096)
+                     for i, q in enumerate(self.quads(k, buf, at, s)) for b in range(4)]
+        spans = range(piece * n // 2, (piece + 1) * n // 2)  # spans of 32: two sub-blocks each
+        return d, ints, [(j, d * -4096.0) for j in spans]
 
 
 FORMATS = {

@@ -5,6 +5,7 @@ import pytest
 
 from backend_check import run_on_device
 from jitllm_core import interp, ir, ops, quant
+from jitllm_core.interp import NP_STORAGE as NP
 
 gguf = pytest.importorskip("gguf")
 
@@ -157,6 +158,53 @@ def test_unsupported_format_is_named():
         quant.get_format("IQ2_XXS", 256, "model.gguf: tensor 'blk.0.attn_q.weight'")
     with pytest.raises(ModelFileError, match="not a multiple"):
         quant.get_format("Q4_K", 200, "model.gguf: tensor 'x'")
+
+
+def tile_devices(cpu):
+    """This CPU, and one that runs TileDot as loops of dot4 where this one has AMX (the other path of the lowering)."""
+    from jitllm_cpu_llvm import runtime
+    if not runtime.AMX <= cpu.instructions:
+        return [cpu]
+    return [cpu, runtime.CpuDevice("cpu", 1, 1 << 30, cpu.width, cpu.instructions - runtime.AMX)]
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_cpu_tile_matmul_matches_gguf(cpu, name):
+    """The integer tile matmul (each block's integers by the input's digits in tile dots, scaled per block and
+    token) against gguf's dequantized weights times the input: several row groups to a slice, more than one block,
+    bias, accumulate, a partial step (from t0, and n_tokens inside a tile of tokens) and a chunk of columns; as
+    AMX runs it where this CPU has it, and as loops of dot4. Within the f32 product's rounding: an input of an
+    outlier 50x its neighbours, whose span's digits keep 2^-24 of it."""
+    rows, cols, T = 640, 1024, 23
+    rng = np.random.default_rng(17)
+    w, ref = random_tensor(name, rows, cols, rng)
+    fmt = quant.packed_format(quant.get_format(name, cols), rows)
+    w = quant.repack(quant.get_format(name, cols), w, rows)
+    Tp = ops.tile_tokens(T)
+    x = rng.standard_normal((Tp, cols)).astype(np.float32)
+    x[:, 7] *= 50.0
+    b, y0 = rng.standard_normal(rows).astype(np.float32), rng.standard_normal((T, rows)).astype(np.float32)
+    for dev in tile_devices(cpu):
+        q = ops.quantize_input(cols, T, quant.DIGITS, ops.TILE_SPAN)
+        xq = {"xq": np.zeros(Tp * quant.DIGITS * cols, np.uint8),
+              "xd": np.zeros(Tp * cols // ops.TILE_SPAN, np.float32), "xs": np.zeros(Tp * cols // 16, np.float32)}
+        xq = run_on_device(dev, q, {"x": x[:T].reshape(-1), **xq}, {"n_tokens": T})
+        for chunk_cols, col0, n, t0 in ((0, 0, 21, 3), (512, 512, T, 0)):
+            k = ops.tile_matmul(fmt, rows, cols, T, accumulate=True, bias=True, chunk_cols=chunk_cols)
+            scratch = {n: np.zeros(k.buffers[n].size, NP[k.buffers[n].dtype]) for n in ("wt", "wts")}
+            y = run_on_device(dev, k, {"w": w, **{n: xq[n] for n in ("xq", "xd", "xs")}, "b": b,
+                                       "y": y0.reshape(-1).copy(), **scratch},
+                              {"n_tokens": n, "t0": t0, "col0": col0})["y"].reshape(T, rows)
+            cs = slice(col0, col0 + (chunk_cols or cols))
+            want = y0.astype(np.float64)
+            want[t0:n] += x[t0:n, cs].astype(np.float64) @ ref[:, cs].T.astype(np.float64) + b
+            np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
+                                       err_msg=f"{dev.describe()}: columns {cs}, tokens {t0}-{n}")
+
+
+def test_tile_matmul_refuses_what_its_tiles_do_not_fit():
+    with pytest.raises(ir.IRError, match="blocks of 256"):
+        ops.tile_matmul(quant.packed_format(quant.get_format("Q4_1", 256), 32), 32, 256, 8)
 
 
 @pytest.mark.parametrize("tile", [(2, 8), (4, 6)], ids=["2x8", "4x6"])

@@ -301,6 +301,8 @@ class CpuDevice(Device):
             self.tunables = {}
         self.caps = Caps(memory_bytes=memory_bytes, bandwidth_Bps=0.0, subgroup_size=W, fp16=True, int8=True,
                          host_visible=True, registers=W * lower.vector_registers(W), extra={"cpu": host()[1]})
+        if AMX <= self.instructions:  # TileDot as AMX tile multiplies (lower.amx_fits)
+            self.caps.extra["tile_dots"] = True
         self.used = 0
         self.compiled = {}  # program key -> Compiled, kept for the process's life (see Workers)
         self.tuned = {}  # kernel tag -> lowering options (Device.tune)
