@@ -135,10 +135,10 @@ class Interpreter:
 
     def tile_dot(self, s, env):
         """A TileDot as one integer matrix product per output (the definition, not its loops)."""
-        a0, K = self.ev(s.a0, env), 4 * s.words
-        rows = np.stack([self.bufs[s.a][a0 + i * s.a_stride:][:K] for i in range(s.m)]).view(np.int8)
-        for b0, o0 in s.outs:
-            b0, o0 = self.ev(b0, env), self.ev(o0, env)
+        K = 4 * s.words
+        for ai, bi, o0 in s.outs:
+            a0, b0, o0 = self.ev(s.a0s[ai], env), self.ev(s.b0s[bi], env), self.ev(o0, env)
+            rows = np.stack([self.bufs[s.a][a0 + i * s.a_stride:][:K] for i in range(s.m)]).view(np.int8)
             words = self.bufs[s.b][b0:b0 + s.words * s.n].reshape(s.words, s.n)
             w = words.view(np.uint8).reshape(s.words, s.n, 4).transpose(0, 2, 1).reshape(K, s.n)
             prod = (rows.astype(np.int64) @ w.astype(np.int64)).astype(np.int32)  # i32 arithmetic wraps

@@ -321,18 +321,20 @@ class Prefetch(Stmt):
 
 @dataclass(eq=False)
 class TileDot(Stmt):
-    """Integer matrix products of one tile of input rows: for each (b0, o0) of `outs`, i < m, j < n,
-    out[o0 + i * o_stride + j] = sum over p < words of dot4(b[b0 + p * n + j], the word of bytes a[a0 + i * a_stride
-    + 4 p .. + 3]) -- m rows of int8 digits of activations (a, a byte buffer, signed) against n columns of 4-byte
-    words of unsigned weights (b, i32, word p of column j at p * n + j), each exact in i32 (out); a's bytes are
-    u8 storage read as signed. One AMX tile
-    multiply per 64 bytes of a row on a CPU that has them; loops of dot4 elsewhere (`expanded`)."""
+    """Integer matrix products of tiles of input rows by tiles of weights: for each (ai, bi, o0) of `outs`, i < m,
+    j < n, out[o0 + i * o_stride + j] = sum over p < words of dot4(b[b0s[bi] + p * n + j], the word of bytes
+    a[a0s[ai] + i * a_stride + 4 p .. + 3]) -- m rows of int8 digits of activations (a, a byte buffer, its u8
+    storage read as signed) against n columns of 4-byte words of unsigned weights (b, i32, word p of column j at
+    p * n + j), each exact in i32 (out). One AMX tile multiply per 64 bytes of a row and output on a CPU that has
+    them (each input and weight tile loaded once for all the outputs that use it); loops of dot4 elsewhere
+    (`expanded`)."""
     a: str
-    a0: Expr
+    a0s: tuple  # where each tile of input rows starts
     a_stride: int
     b: str
+    b0s: tuple  # where each tile of weights starts
     out: str
-    outs: tuple  # ((b0, o0), ...): weights and where their products go, the input rows shared
+    outs: tuple  # ((ai, bi, o0), ...): which input and weights, and where their products go
     m: int
     n: int
     words: int
@@ -342,14 +344,14 @@ class TileDot(Stmt):
         """The same as loops (`tag`: a prefix for their variables, unique in the kernel)."""
         i, j = Var(f"{tag}i"), Var(f"{tag}j")
 
-        def word(p):
-            at = self.a0 + i * self.a_stride + p * 4
+        def word(a0, p):
+            at = a0 + i * self.a_stride + p * 4
             return Load(self.a, at, "i32") | (Load(self.a, at + 1, "i32") << 8) | (Load(self.a, at + 2, "i32") << 16) \
                 | (Load(self.a, at + 3, "i32") << 24)
         body = [Store(self.out, o0 + i * self.o_stride + j,
-                      reduce("add", f"{tag}p", self.words,
-                             lambda p, b0=b0: dot4(Load(self.b, b0 + p * self.n + j, "i32"), word(p))))
-                for b0, o0 in self.outs]
+                      reduce("add", f"{tag}p", self.words, lambda p, a0=self.a0s[ai], b0=self.b0s[bi]: dot4(
+                          Load(self.b, b0 + p * self.n + j, "i32"), word(a0, p))))
+                for ai, bi, o0 in self.outs]
         return [Loop(i.name, Const(self.m), "serial", [Loop(j.name, Const(self.n), "vector", body)])]
 
 
@@ -456,10 +458,11 @@ class Kernel:
     def barrier(self):
         self.emit(Barrier())
 
-    def tile_dot(self, a, a0, a_stride, b, out, outs, m, n, words, o_stride):
-        """Emit a `TileDot` (outs: [(b0, o0)], indices into b and out)."""
-        self.emit(TileDot(a, i32(a0), int(a_stride), b, out, tuple((i32(b0), i32(o0)) for b0, o0 in outs),
-                          int(m), int(n), int(words), int(o_stride)))
+    def tile_dot(self, a, a0s, a_stride, b, b0s, out, outs, m, n, words, o_stride):
+        """Emit a `TileDot` (a0s, b0s: indices into a and b; outs: [(ai, bi, o0)], o0 an index into out)."""
+        self.emit(TileDot(a, tuple(map(i32, a0s)), int(a_stride), b, tuple(map(i32, b0s)), out,
+                          tuple((int(ai), int(bi), i32(o0)) for ai, bi, o0 in outs), int(m), int(n), int(words),
+                          int(o_stride)))
 
     def loop(self, var, extent, kind="serial", start=0):
         return _Block(self, Loop(var, i32(as_expr(extent)), kind, [], i32(as_expr(start))), var)
@@ -598,8 +601,10 @@ def check(k: Kernel):
                         raise IRError(f"{k.name}: tile dot buffer {buf!r} must be a buffer of {' or '.join(dts)}")
                 if not k.buffers[s.out].write:
                     raise IRError(f"{k.name}: store to read-only buffer {s.out!r}")
-                for e in (s.a0, *(x for pair in s.outs for x in pair)):
+                for e in (*s.a0s, *s.b0s, *(o0 for _, _, o0 in s.outs)):
                     _want(ex(e, env), "i32", "tile dot index")
+                if not all(0 <= ai < len(s.a0s) and 0 <= bi < len(s.b0s) for ai, bi, _ in s.outs):
+                    raise IRError(f"{k.name}: a tile dot's output names an input or weights tile it does not have")
             elif not isinstance(s, Barrier):
                 raise IRError(f"{k.name}: not a statement: {s!r}")
 
@@ -661,9 +666,9 @@ def dump(k: Kernel) -> str:
             elif isinstance(s, Prefetch):
                 out.append(f"{p}prefetch{'' if s.near else '.far'} {s.buf}[{ex(s.index)}, +{s.count}]")
             elif isinstance(s, TileDot):
-                outs = ", ".join(f"{s.out}[{ex(o0)}] <- {s.b}[{ex(b0)}]" for b0, o0 in s.outs)
-                out.append(f"{p}tiledot {s.m}x{s.n}x{s.words} {s.a}[{ex(s.a0)}, +{s.a_stride}/row] o{s.o_stride}: "
-                           f"{outs}")
+                tiles = ", ".join(f"{s.out}[{ex(o0)}] <- {s.a}[{ex(s.a0s[ai])}] . {s.b}[{ex(s.b0s[bi])}]"
+                                  for ai, bi, o0 in s.outs)
+                out.append(f"{p}tiledot {s.m}x{s.n}x{s.words} a+{s.a_stride}/row o+{s.o_stride}/row: {tiles}")
 
     st(k.body, 1)
     return "\n".join(out)

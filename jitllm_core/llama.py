@@ -147,7 +147,7 @@ class Llama:
                               for shape, as_f32 in self.weight_shapes(0).values()
                               if not as_f32 and shape[0] % ROWS == 0 and shape[1] % ops.TILE_SPAN == 0] or [(1, 1)])
         return {"xt": ("u8", Tp * quant.DIGITS * cols), "xtd": ("f32", Tp * cols // ops.TILE_SPAN),
-                "xts": ("f32", Tp * cols // 16), "wt": ("i32", max(words)), "wts": ("f32", max(scales))}
+                "xts": ("f32", Tp * cols // 32), "wt": ("i32", max(words)), "wts": ("f32", max(scales))}
 
     def activation_bytes(self):
         """What every device that runs a unit holds besides the units: activations, constants (the rope tables),
@@ -329,7 +329,7 @@ class Llama:
                                       {"x": f"a:{x}", **self._quantized(into)}))
         if any(not experts_tensor(n) and self._tile_matmul(f, shape[0], shape[1], prefill, interleave, tile_dots)
                for n, f, shape in fmts):
-            out.append(LaunchTemplate(ops.quantize_input(cols, self.T, quant.DIGITS, ops.TILE_SPAN),
+            out.append(LaunchTemplate(ops.quantize_input(cols, self.T, quant.DIGITS, ops.TILE_SPAN, 32),
                                       {"x": f"a:{x}", "xq": "a:xt", "xd": "a:xtd", "xs": "a:xts"}))
         return out
 

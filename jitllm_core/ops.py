@@ -209,21 +209,21 @@ def digit_max(digits: int) -> int:
 
 
 @functools.cache
-def quantize_input(cols: int, T: int, digits: int = DIGITS, span: int = 32) -> ir.Kernel:
+def quantize_input(cols: int, T: int, digits: int = DIGITS, span: int = 32, sums: int = 16) -> ir.Kernel:
     """x -> what the dot4 layouts' dots read of it (quant.Input), once per input instead of once per row: per span
     of 32 elements (or `span`: 256 for `tile_matmul`) a scale, max |x| / digit_max, and each element's integer
     round(x / scale) as `digits` balanced
     base-256 digits (each in [-128, 127], an int8 for dot4; digit i of a token's elements in a row of bytes, 4
-    consecutive elements a word); per span of 16 the sum of those values. With DIGITS (3), each element within
+    consecutive elements a word); per span of 16 (or `sums`) the sum of those values. With DIGITS (3), each element within
     2^-24 of its span's largest |x|: the error of one f32 rounding of the span's largest product, so a dot's
     error stays that of f32 arithmetic (logits as close to transformers' as with 4 digits, 6.8e-5 against 7.1e-5
     on SmolLM2), for three quarters of the integer products of 4 digits (each element's own 24 bits, 30 of the
     largest). With INT8 (1), as llama.cpp quantizes activations: SmolLM2's logits move by ~1."""
     top_int = digit_max(digits)
     k = ir.Kernel(f"quantize_input_{cols}_T{T}" + (f"_d{digits}" if digits != DIGITS else "")
-                  + (f"_s{span}" if span != 32 else ""))
+                  + (f"_s{span}" if span != 32 else "") + (f"_m{sums}" if sums != 16 else ""))
     k.buffer("x", "f32", T * cols), k.buffer("xq", "u8", T * digits * cols, True)
-    k.buffer("xd", "f32", T * cols // span, True), k.buffer("xs", "f32", T * cols // 16, True)
+    k.buffer("xd", "f32", T * cols // span, True), k.buffer("xs", "f32", T * cols // sums, True)
     spans = cols // span
     with k.parallel("ts", k.scalar("n_tokens") * spans) as ts:  # span ts of the step's inputs
         t, c0 = ts // spans, ts % spans * span
@@ -234,9 +234,9 @@ def quantize_input(cols: int, T: int, digits: int = DIGITS, span: int = 32) -> i
         inv = k.let("inv", float(top_int) / ir.vmax(top, 1e-30))  # a span of zeros stays zeros
         # clamped: x / scale rounds to f32 first, and the span's largest could come out a step beyond
         integer = lambda j: ir.i32(ir.Un("floor", ir.vmin(ir.vmax(x(j) * inv, -top_int), top_int) + 0.5))
-        for h in range(span // 16):  # sums of the quantized values: offsets then weigh the same input as the dots
-            k.store("xs", ts * (span // 16) + h,
-                    ir.reduce("add", "j", 16, lambda j: F(integer(16 * h + j)), "vector") * scale)
+        for h in range(span // sums):  # sums of the quantized values: offsets then weigh the same input as the dots
+            k.store("xs", ts * (span // sums) + h,
+                    ir.reduce("add", "j", sums, lambda j: F(integer(sums * h + j)), "vector") * scale)
         with k.loop("j", span, "vector") as j:
             v = integer(j)
             for i in range(digits):  # digit i is v's low byte (stored); v - digit, over 256, is the rest
@@ -400,21 +400,25 @@ def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, 
     return k.finish()
 
 
-# The prefill matmul of integer tiles (`tile_matmul`): TILE_TOKENS tokens' DIGITS digits are a TileDot's input rows
-# (15 of an AMX tile's 16), against weights of a format's integer form (`Format.integers`) in blocks of TILE_SPAN
-# columns: one scale a row (d) and one a token (the input's, quantized in spans of TILE_SPAN), so that a tile sums a
-# whole block before the scales, and each row's integer takes two bytes (TILE_PLANES tile dots)
+# The prefill matmul of integer tiles (`tile_matmul`): TILE_TOKENS tokens' DIGITS digits are a tile of input rows
+# (15 of an AMX tile's 16), TILE_INPUTS such tiles a TileDot's (each weights tile loaded once for both: 2 input, 2
+# weights and 4 accumulator tiles fill AMX's 8), against weights of a format's integer form (`Format.integers`) in
+# blocks of TILE_SPAN columns: one scale a row (d) and one a token (the input's, quantized in spans of TILE_SPAN), so
+# that a tile sums a whole block before the scales, and each row's integer takes two bytes (TILE_PLANES tiles).
+# 2048 x 2048 Q4_K by 128 tokens on a Sapphire Rapids core, best of 5: 6.8 ms with one input tile a TileDot, 6.2 with two
 TILE_TOKENS = 5
+TILE_INPUTS = 2
 TILE_SPAN = 256
 TILE_PLANES = 2
 _TILE_WORDS = TILE_SPAN // 4 * ROWS                    # i32 words of one plane of a block of a row group
-_TILE_OUT = TILE_TOKENS * DIGITS * ROWS                 # i32 sums of one plane of a block: input rows x rows
+_TILE_OUT = TILE_TOKENS * DIGITS * ROWS                 # i32 sums of one input tile by one plane: input rows x rows
 _TILE_SCALES = (1 + TILE_SPAN // 32) * ROWS             # f32 of a block of a row group: d, the spans' offsets
 
 
 def tile_tokens(T: int) -> int:
-    """Tokens an input of a step of T tokens holds for `tile_matmul`: whole tiles, the last one's past T unused."""
-    return -(-T // TILE_TOKENS) * TILE_TOKENS
+    """Tokens an input of a step of T tokens holds for `tile_matmul`: whole TileDots, the last one's past T unused."""
+    n = TILE_TOKENS * TILE_INPUTS
+    return -(-T // n) * n
 
 
 def tile_dots_fit(fmt: Format, rows: int, cols: int) -> bool:
@@ -430,7 +434,7 @@ def tile_scratch(rows: int, width: int) -> tuple[int, int]:
     """(i32, f32) elements of a tile matmul's scratch (`wt`, `wts`): each slice's integer planes and sums, its
     scales and offsets, for a row group's blocks over `width` columns."""
     blocks, slices = width // TILE_SPAN, _tile_slices(rows)
-    return slices * blocks * TILE_PLANES * (_TILE_WORDS + _TILE_OUT), slices * blocks * _TILE_SCALES
+    return slices * blocks * TILE_PLANES * (_TILE_WORDS + TILE_INPUTS * _TILE_OUT), slices * blocks * _TILE_SCALES
 
 
 @functools.cache
@@ -439,7 +443,7 @@ def tile_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bia
     parallel iteration (a slice of the row groups) writes a row group's blocks in the format's integer form (d,
     the offsets of its spans of 32, and each weight's integer as two planes of bytes: `Format.integers`), then
     takes the step's tokens TILE_TOKENS at a time: per block one TileDot of their digits (the input as
-    `quantize_input(span=TILE_SPAN)` writes it) by each plane, exact in i32, and per token and row the sum over
+    `quantize_input(span=TILE_SPAN, sums=32)` writes it) by each plane, exact in i32, and per token and row the sum over
     blocks of d x the token's block scale x (its digits' and planes' sums, weighed) + the offsets x the token's
     span sums. Values as exact as the f32 product (digits within 2^-24 of their span's largest; dots in i32).
     Tokens outside [t0, n_tokens) compute on what the input holds and store nothing."""
@@ -451,7 +455,7 @@ def tile_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bia
                   f"{'_acc' if accumulate else ''}{'_bias' if bias else ''}")
     k.buffer("w", fmt.storage, rows * fmt.row_units(cols))
     k.buffer("xq", "u8", Tp * DIGITS * cols), k.buffer("xd", "f32", Tp * cols // TILE_SPAN)
-    k.buffer("xs", "f32", Tp * cols // 16)
+    k.buffer("xs", "f32", Tp * cols // 32)
     k.w_read = lambda n_tokens: rows * fmt.row_units(width)
     k.flops = lambda n_tokens: 2 * rows * width * n_tokens
     if bias:
@@ -461,11 +465,11 @@ def tile_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bia
     k.buffer("wt", "i32", words, True), k.buffer("wts", "f32", scales, True)
     n, t0 = k.scalar("n_tokens"), k.scalar("t0")
     col0 = k.scalar("col0") if chunk_cols else 0
-    groups, G = rows // ROWS, TILE_TOKENS
+    groups, G = rows // ROWS, TILE_TOKENS * TILE_INPUTS  # G: the tokens of a TileDot
     first = t0 // G
     with k.parallel("s", slices) as s:
         planes = k.let("planes", s * (words // slices))  # [block, plane, word, lane]
-        sums = planes + nb * TILE_PLANES * _TILE_WORDS   # [block, plane, input row, lane]
+        sums = planes + nb * TILE_PLANES * _TILE_WORDS   # [block, input tile, plane, input row, lane]
         sc = k.let("sc", s * (scales // slices))          # [block, d / span offsets, lane]
         g0 = k.let("g0", s * groups // slices)
         with k.loop("rg", (s + 1) * groups // slices - g0, "serial", start=g0) as rg:
@@ -488,24 +492,26 @@ def tile_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bia
             k.barrier()
             with k.loop("g", (n - first * G + G - 1) // G, "serial", start=first) as g:
                 with k.loop("b", nb, "serial") as b:
-                    k.tile_dot("xq", g * (G * DIGITS * cols) + col0 + b * TILE_SPAN, cols, "wt", "wt",
-                               [(planes + (b * TILE_PLANES + plane) * _TILE_WORDS,
-                                 sums + (b * TILE_PLANES + plane) * _TILE_OUT) for plane in range(TILE_PLANES)],
-                               G * DIGITS, ROWS, TILE_SPAN // 4, ROWS)
+                    tiles = [(i, plane) for i in range(TILE_INPUTS) for plane in range(TILE_PLANES)]
+                    k.tile_dot("xq", [(g * G + i * TILE_TOKENS) * (DIGITS * cols) + col0 + b * TILE_SPAN
+                                      for i in range(TILE_INPUTS)], cols,
+                               "wt", [planes + (b * TILE_PLANES + plane) * _TILE_WORDS for plane in range(TILE_PLANES)],
+                               "wt", [(i, plane, sums + (b * len(tiles) + j) * _TILE_OUT)
+                                      for j, (i, plane) in enumerate(tiles)],
+                               TILE_TOKENS * DIGITS, ROWS, TILE_SPAN // 4, ROWS)
                 k.barrier()
                 with k.loop("l", ROWS, "vector") as l:
                     for tt in range(G):
                         tok = g * G + tt
 
                         def block(b, tt=tt, tok=tok):
-                            at = lambda plane, i: sums + (b * TILE_PLANES + plane) * _TILE_OUT \
-                                + (tt * DIGITS + i) * ROWS + l
+                            at = lambda plane, i: sums + ((b * TILE_INPUTS + tt // TILE_TOKENS) * TILE_PLANES + plane) \
+                                * _TILE_OUT + (tt % TILE_TOKENS * DIGITS + i) * ROWS + l
                             ints = [sum((k.load("wt", at(pl, i)) << 8 * pl for pl in range(1, TILE_PLANES)),
                                         k.load("wt", at(0, i))) for i in range(DIGITS)]
                             dot = sum((F(v) * float(256 ** i) for i, v in enumerate(ints) if i), F(ints[0]))
-                            span0 = tok * (cols // 16) + (col0 + b * TILE_SPAN) // 16
-                            offs = [k.load("wts", sc + b * _TILE_SCALES + (1 + j) * ROWS + l)
-                                    * (k.load("xs", span0 + 2 * j) + k.load("xs", span0 + 2 * j + 1))
+                            span0 = tok * (cols // 32) + (col0 + b * TILE_SPAN) // 32
+                            offs = [k.load("wts", sc + b * _TILE_SCALES + (1 + j) * ROWS + l) * k.load("xs", span0 + j)
                                     for j in range(TILE_SPAN // 32)]
                             scaled = k.load("wts", sc + b * _TILE_SCALES + l) * k.load(
                                 "xd", tok * (cols // TILE_SPAN) + (col0 + b * TILE_SPAN) // TILE_SPAN) * dot

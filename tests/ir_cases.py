@@ -131,17 +131,20 @@ def byte_dots(groups=2, n=16, steps=6):
     return k
 
 
-def tile_dots(tiles=2, m=3, words=16, outs=2):
-    """TileDot: m rows of signed bytes (rows 80 bytes apart, from an offset) by `outs` tiles of 16 columns of
-    unsigned weight words, into rows of 24 i32 (past the 16 written: untouched); a tile per iteration, in whole
-    AMX tile rows (words a multiple of 16). Small: a Vulkan device of 256-byte storage ranges binds every piece."""
+def tile_dots(tiles=2, m=3, words=16):
+    """TileDot: two tiles of m rows of signed bytes (rows 80 bytes apart, from an offset) by two tiles of 16 columns
+    of unsigned weight words, three of the four products, into rows of 24 i32 (past the 16 written: untouched); a
+    TileDot per iteration, in whole AMX tile rows (words a multiple of 16). Small: a Vulkan device of 256-byte
+    storage ranges binds every piece."""
     k = ir.Kernel("tile_dots")
     stride = 4 * words + 16
-    k.buffer("a", "u8", 8 + tiles * m * stride), k.buffer("b", "i32", tiles * outs * words * 16)
-    k.buffer("o", "i32", tiles * outs * m * 24, True)
+    k.buffer("a", "u8", 8 + tiles * 2 * m * stride), k.buffer("b", "i32", tiles * 2 * words * 16)
+    k.buffer("o", "i32", tiles * 3 * m * 24, True)
     with k.parallel("t", tiles) as t:
-        k.tile_dot("a", 8 + t * m * stride, stride, "b", "o",
-                   [((t * outs + j) * words * 16, (t * outs + j) * m * 24) for j in range(outs)], m, 16, words, 24)
+        k.tile_dot("a", [8 + (t * 2 + i) * m * stride for i in range(2)], stride,
+                   "b", [(t * 2 + j) * words * 16 for j in range(2)],
+                   "o", [(ai, bi, (t * 3 + n) * m * 24) for n, (ai, bi) in enumerate(((0, 0), (0, 1), (1, 1)))],
+                   m, 16, words, 24)
     return k
 
 

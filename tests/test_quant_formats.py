@@ -185,9 +185,9 @@ def test_cpu_tile_matmul_matches_gguf(cpu, name):
     x[:, 7] *= 50.0
     b, y0 = rng.standard_normal(rows).astype(np.float32), rng.standard_normal((T, rows)).astype(np.float32)
     for dev in tile_devices(cpu):
-        q = ops.quantize_input(cols, T, quant.DIGITS, ops.TILE_SPAN)
+        q = ops.quantize_input(cols, T, quant.DIGITS, ops.TILE_SPAN, 32)
         xq = {"xq": np.zeros(Tp * quant.DIGITS * cols, np.uint8),
-              "xd": np.zeros(Tp * cols // ops.TILE_SPAN, np.float32), "xs": np.zeros(Tp * cols // 16, np.float32)}
+              "xd": np.zeros(Tp * cols // ops.TILE_SPAN, np.float32), "xs": np.zeros(Tp * cols // 32, np.float32)}
         xq = run_on_device(dev, q, {"x": x[:T].reshape(-1), **xq}, {"n_tokens": T})
         for chunk_cols, col0, n, t0 in ((0, 0, 21, 3), (512, 512, T, 0)):
             k = ops.tile_matmul(fmt, rows, cols, T, accumulate=True, bias=True, chunk_cols=chunk_cols)

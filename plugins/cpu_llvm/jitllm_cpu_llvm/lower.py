@@ -307,7 +307,7 @@ class KernelLowering:
         cur = b.load(i, typ=I32)
         # a tile configuration takes ~120 ns to load (on a Sapphire Rapids, against ~10 per tile multiply): once per
         # iteration where its tile dots all have one shape
-        shapes = {(t.m, len(t.outs)) for t in _tile_dots(s.body)}
+        shapes = {amx_shape(t) for t in _tile_dots(s.body)}
         self.tile_shape = shapes.pop() if len(shapes) == 1 else None
         if self.tile_shape:
             b.call(self.declare("llvm.x86.ldtilecfg", VOID, [PTR]), [self.tile_config(*self.tile_shape)])
@@ -375,34 +375,39 @@ class KernelLowering:
             raise ir.IRError(f"cannot lower {s!r}")
 
     def amx_tile_dot(self, s):
-        """A TileDot on AMX: tile 0 the input rows (64 bytes of each at a time), 1 a weights tile, 2 ... one
-        accumulator per output, stored once at the end."""
+        """A TileDot on AMX (`amx_shape`): its input tiles first, then its weights tiles, each loaded once per 64
+        bytes of the rows, then one accumulator per output, stored once at the end."""
         b, tile = self.b, lambda t: L.Constant(I8, t)
         call = lambda name, args: b.call(self.declare(f"llvm.x86.{name}", VOID, [a.type for a in args]), args)
-        if self.tile_shape != (s.m, len(s.outs)):  # else loaded once for the iteration (`parallel`)
-            call("ldtilecfg", [self.tile_config(s.m, len(s.outs))])
+        shape = amx_shape(s)
+        if self.tile_shape != shape:  # else loaded once for the iteration (`parallel`)
+            call("ldtilecfg", [self.tile_config(*shape)])
+        na, nb = len(s.a0s), len(s.b0s)
         for t in range(len(s.outs)):
-            call("tilezero", [tile(2 + t)])
-        a0, b0s = self.expr(s.a0), [self.expr(b0) for b0, _ in s.outs]
-        row = L.Constant(I64, 4 * s.n)
+            call("tilezero", [tile(na + nb + t)])
+        a0s, b0s, row = [self.expr(a) for a in s.a0s], [self.expr(w) for w in s.b0s], L.Constant(I64, 4 * s.n)
         for step in range(s.words // AMX_WORDS):
-            call("tileloadd64", [tile(0), self.element(s.a, [a0, L.Constant(I32, 4 * AMX_WORDS * step)]),
-                                 L.Constant(I64, s.a_stride)])
+            for t, a0 in enumerate(a0s):
+                call("tileloadd64", [tile(t), self.element(s.a, [a0, L.Constant(I32, 4 * AMX_WORDS * step)]),
+                                     L.Constant(I64, s.a_stride)])
             for t, b0 in enumerate(b0s):
-                call("tileloadd64", [tile(1), self.element(s.b, [b0, L.Constant(I32, AMX_WORDS * step * s.n)]), row])
-                call("tdpbsud", [tile(2 + t), tile(0), tile(1)])
-        for t, (_, o0) in enumerate(s.outs):
-            call("tilestored64", [tile(2 + t), self.element(s.out, [self.expr(o0)]), L.Constant(I64, 4 * s.o_stride)])
+                call("tileloadd64", [tile(na + t), self.element(s.b, [b0, L.Constant(I32, AMX_WORDS * step * s.n)]),
+                                     row])
+            for t, (ai, bi, _) in enumerate(s.outs):
+                call("tdpbsud", [tile(na + nb + t), tile(ai), tile(na + bi)])
+        for t, (_, _, o0) in enumerate(s.outs):
+            call("tilestored64", [tile(na + nb + t), self.element(s.out, [self.expr(o0)]),
+                                  L.Constant(I64, 4 * s.o_stride)])
 
-    def tile_config(self, m, outs):
-        """The module's AMX tile configuration for `amx_tile_dot`s of m input rows and `outs` outputs: palette 1;
-        tile 0 m rows of 64 bytes, tile 1 16 rows of 64 (a weights tile), tiles 2 .. m rows of 64."""
-        name = f"amx_config_{m}x{outs}"
+    def tile_config(self, m, na, nb, outs):
+        """The module's AMX tile configuration for `amx_tile_dot`s of m input rows, na input tiles, nb weights tiles
+        and `outs` outputs: palette 1; input and output tiles m rows of 64 bytes, weights tiles 16 rows of 64."""
+        name = f"amx_config_{m}_{na}_{nb}_{outs}"
         if name in self.module.globals:
             return self.module.globals[name]
         cfg = [0] * 64
         cfg[0] = 1
-        for t, rows in enumerate([m, AMX_WORDS] + [m] * outs):
+        for t, rows in enumerate([m] * na + [AMX_WORDS] * nb + [m] * outs):
             cfg[16 + 2 * t], cfg[48 + t] = 64, rows
         g = L.GlobalVariable(self.module, L.ArrayType(I8, 64), name)
         g.global_constant, g.linkage, g.align = True, "internal", 64
@@ -1473,11 +1478,16 @@ def _tile_dots(body):
             yield from _tile_dots(s.then + s.orelse)
 
 
+def amx_shape(s):
+    """(input rows, input tiles, weights tiles, outputs) of TileDot s: what its tile configuration says."""
+    return s.m, len(s.a0s), len(s.b0s), len(s.outs)
+
+
 def amx_fits(s, isa):
     """Whether TileDot s runs on AMX on a CPU of instructions isa: its weights 16 columns, a tile's; up to 16 input
-    rows; whole tile rows; accumulators (tiles 2 ..) for all its outputs."""
+    rows; whole tile rows; its input tiles, weights tiles and accumulators in AMX's 8 tile registers."""
     return {"amx-tile", "amx-int8"} <= isa and s.n == 16 and s.m <= 16 and s.words % AMX_WORDS == 0 \
-        and len(s.outs) <= 6
+        and len(s.a0s) + len(s.b0s) + len(s.outs) <= 8
 
 
 def has_vnni(n, isa):
