@@ -113,9 +113,9 @@ class Llama:
         self.constants = {"zero": 0}  # scalar values the launches name, the same at every step
 
     # -- sizes of the per-device activations
-    def activations(self, tile_dots=True):
+    def activations(self, tile_dots=False):
         """{name: (dtype, elements)}; tile_dots: with the inputs and scratch of integer tile matmuls (`_tile_matmul`),
-        which a device of matrix instructions takes."""
+        which a device of matrix instructions takes (`activation_bytes`, what placement plans with, leaves them out)."""
         c, T = self.cfg, self.T
         q, kv, ffn = c.n_head * c.head_dim, c.n_kv * c.head_dim, max(c.ffn, c.shared_ffn)
         inp = T * max(c.dim, q, ffn)  # the widest matmul input of a step
