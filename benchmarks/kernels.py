@@ -17,7 +17,7 @@ import time
 import llvmlite.binding as llvm
 import numpy as np
 
-from jitllm_core import llama, ops, quant, registry, tuning
+from jitllm_core import engine, llama, ops, quant, registry, tuning
 from jitllm_core.plugin import Launch
 from jitllm_cpu_llvm import runtime
 
@@ -122,8 +122,32 @@ def prefill(dev, rng, T=64, n=64):
         launches, values = prefill_launches(dev, fmt, rows, cols, T, wb, xb, yb, wdq)
         t = seconds(dev.program(launches), {**values, "n_tokens": n, "t0": 0}, 5)
         print(f"{fmt.name:4} {rows:5d} x {cols:5d}  {t * 1e3:6.2f} ms  {2 * rows * cols * n / t / 1e9:5.1f} GFLOP/s")
-        for b in (wb, xb, yb, wdq):
+        held = [wb, xb, yb, wdq]
+        if engine.tile_dots(dev.caps) and ops.tile_dots_fit(fmt, rows, cols):  # a CPU with AMX: integer tiles too
+            launches, values = tile_launches(dev, fmt, rows, cols, T, wb, xb, yb, held)
+            t = seconds(dev.program(launches), {**values, "n_tokens": n, "t0": 0}, 5)
+            print(f"{'':4} {'':5}   {'':5}  {t * 1e3:6.2f} ms  {2 * rows * cols * n / t / 1e9:5.1f} GFLOP/s  "
+                  "integer tiles (ops.tile_matmul, the input's quantization included)")
+        for b in held:
             dev.free(b)
+
+
+def tile_launches(dev, fmt, rows, cols, T, w, x, y, held):
+    """The launches of the integer tile matmul (`ops.tile_matmul`, its column chunks) of T-token steps: the input
+    quantized (`Llama._inputs`), then the matmul; its buffers allocated and added to `held`."""
+    q = ops.quantize_input(cols, T, quant.DIGITS, ops.TILE_SPAN, 32)
+    Tp = ops.tile_tokens(T)  # the tile matmul's input holds whole TileDots of tokens
+    bufs = {"xq": dev.alloc(Tp * quant.DIGITS * cols), "xd": dev.alloc(Tp * cols // ops.TILE_SPAN * 4),
+            "xs": dev.alloc(Tp * cols // 32 * 4)}
+    launches, values = [Launch(q, {"x": x, **bufs})], {}
+    for k, at in llama.prefill_matmuls(fmt, rows, cols, T, tile_dots=True):
+        scratch = {n: dev.alloc(k.buffers[n].size * 4) for n in ("wt", "wts")}
+        held += scratch.values()
+        names = {s: f"{s}_{v}" for s, v in at.items()}
+        launches.append(Launch(k, {"w": w, "y": y, **bufs, **scratch}, names))
+        values.update({names[s]: v for s, v in at.items()})
+    held += bufs.values()
+    return launches, values
 
 
 def fma_peak(threads=1, iterations=20_000_000, lookups=0):

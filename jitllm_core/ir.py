@@ -26,6 +26,7 @@ Model dimensions are baked into kernels as constants; per-step values (pos, n_to
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 from dataclasses import dataclass, field
 
@@ -375,9 +376,8 @@ def expand_tile_dots(k: "Kernel", keep=lambda s: False) -> "Kernel":
     new = body(k.body)
     if next(count) == 0:
         return k
-    e = Kernel(k.name)
-    e.buffers, e.scalars, e.body = dict(k.buffers), list(k.scalars), new
-    e.w_read, e.flops, e.tune_tag, e.tune_scalars = k.w_read, k.flops, k.tune_tag, k.tune_scalars
+    e = copy.copy(k)  # the same parameters, profile counts and tuning tag
+    e.body, e._hash = new, None
     return e.finish()
 
 

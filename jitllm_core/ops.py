@@ -405,8 +405,9 @@ def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, 
 # weights and 4 accumulator tiles fill AMX's 8), against weights of a format's integer form (`Format.integers`) in
 # blocks of TILE_SPAN columns: one scale a row (d) and one a token (the input's, quantized in spans of TILE_SPAN), so
 # that a tile sums a whole block before the scales, and each row's integer takes two bytes (TILE_PLANES tiles).
-# 2048 x 2048 Q4_K by 128 tokens on a Sapphire Rapids core, best of 5: 6.8 ms with one input tile a TileDot, 6.2 with
-# two, 5.7 with a block's tile dots issued before the block before it is summed
+# On a Sapphire Rapids core with random weights and inputs (2048 x 2048 Q4_K by 128 tokens, best of 5, alternated with
+# the f32 prefill matmul): 12.0-13.1 ms against 13.2-14.2; on all-zero data 7.2-9.0 against 9.4-11.9 -- AMX runs
+# faster on zeros, so measure with real data (`benchmarks/kernels.py --only prefill` prints both kinds)
 TILE_TOKENS = 5
 TILE_INPUTS = 2
 TILE_SPAN = 256

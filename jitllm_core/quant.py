@@ -573,8 +573,7 @@ class R4K(Affine4):
     def integers(self, k, buf, at, piece):
         d, subs = self.integer_subs(k, buf, at, piece)
         ints = [(e0 + e, sc * q) for sc, _, off, fifth, e0 in subs for e, q in _nibble_ints(k, buf, at, off, fifth)]
-        return d, ints, \
-            [(piece * len(subs) + j, offset) for j, (_, offset, _, _, _) in enumerate(subs)]
+        return d, ints, [(piece * len(subs) + j, offset) for j, (_, offset, _, _, _) in enumerate(subs)]
 
 
 class R5K(R4K):

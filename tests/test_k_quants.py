@@ -76,7 +76,7 @@ def test_k_quants_through_tile_dots_match_transformers(cpu, k_quant_model):
     """A prompt at once on a device whose prefill takes integer tile matmuls (Q4_K, Q5_K and Q6_K's down
     projections; the others' the f32 prefill matmul) within the f32 reference's bound: this CPU where it has AMX,
     else one that says it runs tile dots and runs them as loops of dot4 -- the same kernels."""
-    from jitllm_core import engine, registry
+    from jitllm_core import registry
     from jitllm_cpu_llvm import runtime
     dev = cpu if cpu.caps.extra.get("tile_dots") else runtime.CpuDevice("cpu", 2, runtime.total_memory())
     dev.caps.extra["tile_dots"] = True
@@ -86,9 +86,9 @@ def test_k_quants_through_tile_dots_match_transformers(cpu, k_quant_model):
     try:
         steps, prompt = step_and_prompt_errors(eng, k_quant_model, (eng.tokenizer.encode(PROMPTS[0]) * 3)[:40])
         assert prompt <= 1e-3
-        assert [engine.tile_dots(d.caps) for d in eng.devices.values()] == [True]
-        tiles = {u: {lt.kernel.name.split("_")[1] for lt in eng.model.unit_launches(u, True, tile_dots=True)
-                     if lt.kernel.name.startswith("tilemm")} for u in range(3)}
+        [name] = eng.devices  # the launches the engine binds for a prefill step on it
+        tiles = {u: {ln.kernel.name.split("_")[1] for ln in eng._bind(u, name, prefill=True)
+                     if ln.kernel.name.startswith("tilemm")} for u in range(3)}
         assert tiles == {0: {"R4K"}, 1: {"R6"}, 2: {"R5K"}}  # the layers' down projections (K_QUANTS in turn)
     finally:
         eng.close()
