@@ -37,6 +37,25 @@ def step_and_prompt_errors(eng, path, ids):
     return np.abs(steps - want).max(), np.abs(prompt - want).max()
 
 
+def f32_bound(model, ids, want, tol=1e-3, spreads=4):
+    """Per position of ids, the bound of a check against transformers model's logits `want`: tol beyond `spreads`
+    times what f32 rounding alone moves them by there -- transformers' own logits fed one token at a time through
+    its KV cache against its whole prompt's. ~1e-5 at most positions of the test models; but a random mixture of
+    experts has positions whose logits are ill-conditioned (terms that cancel): one of the random Qwen2-MoE's moves
+    5e-4 between transformers' two paths, 2e-4 from its f64 logits, while this engine's CPU prompt came within
+    2.5e-3 of the f64 logits there on a Sapphire Rapids host (its token-by-token 9e-4) and within 1e-5 at the
+    rest. Compare `np.abs(got - want).max(axis=1) <= bound`."""
+    import torch
+    import transformers
+    cache, rows = transformers.DynamicCache(config=model.config), []
+    with torch.no_grad():
+        for t in ids:
+            out = model(torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            rows.append(out.logits[0, -1].numpy())
+    return tol + spreads * np.abs(np.stack(rows) - want).max(axis=1)
+
+
 def agreeing_prefix(ref_logits, got_tokens, start, margin=0.05):
     """Number of greedy tokens that must match: up to the first position whose reference top-2 margin is small."""
     for i, tok in enumerate(got_tokens):
