@@ -17,7 +17,7 @@ import time
 import llvmlite.binding as llvm
 import numpy as np
 
-from jitllm_core import engine, llama, ops, quant, registry, tuning
+from jitllm_core import llama, ops, quant, registry, tuning
 from jitllm_core.plugin import Launch
 from jitllm_cpu_llvm import runtime
 
@@ -123,7 +123,7 @@ def prefill(dev, rng, T=64, n=64):
         t = seconds(dev.program(launches), {**values, "n_tokens": n, "t0": 0}, 5)
         print(f"{fmt.name:4} {rows:5d} x {cols:5d}  {t * 1e3:6.2f} ms  {2 * rows * cols * n / t / 1e9:5.1f} GFLOP/s")
         held = [wb, xb, yb, wdq]
-        if engine.tile_dots(dev.caps) and ops.tile_dots_fit(fmt, rows, cols):  # a CPU with AMX: integer tiles too
+        if dev.caps.tile_dots and ops.tile_dots_fit(fmt, rows, cols):  # a CPU with AMX: integer tiles too
             launches, values = tile_launches(dev, fmt, rows, cols, T, wb, xb, yb, held)
             t = seconds(dev.program(launches), {**values, "n_tokens": n, "t0": 0}, 5)
             print(f"{'':4} {'':5}   {'':5}  {t * 1e3:6.2f} ms  {2 * rows * cols * n / t / 1e9:5.1f} GFLOP/s  "

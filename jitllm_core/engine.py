@@ -86,12 +86,6 @@ class Stream:
         self._events.close()
 
 
-def tile_dots(caps) -> bool:
-    """Whether a device runs TileDot as matrix instructions (Caps.extra["tile_dots"]), so that its prefill steps
-    take integer tile matmuls (`Llama._tile_matmul`)."""
-    return bool(caps.extra.get("tile_dots"))
-
-
 class DeviceState:
     """What one device holds for this engine: per-device activations, constants and resident weights."""
 
@@ -101,7 +95,7 @@ class DeviceState:
         self.weights = {}   # tensor name -> [Buffer, users]
         self.slots = []     # two {role: Buffer} for streamed units
         try:
-            for n, (dt, size) in model.activations(tile_dots(arena.dev.caps)).items():
+            for n, (dt, size) in model.activations(arena.dev.caps.tile_dots).items():
                 self.acts[n] = arena.alloc(max(4, size * ir.STORAGE_DTYPES[dt]))
             for name, data in constants.items():
                 self.consts[name] = arena.alloc(data.nbytes)
@@ -320,7 +314,7 @@ class Engine:
         prefill = prefill and self.devices[dev_name].caps.extra.get("prefill_matmul", True)
         caps = self.devices[dev_name].caps
         for lt in self.model.unit_launches(unit, prefill, self._interleaves(dev_name), ops.gemm_tile(caps.registers),
-                                           batch, tile_dots(caps)):
+                                           batch, caps.tile_dots):
             bufs = {}
             for param, ref in lt.buffers.items():
                 kind, name = ref.split(":", 1)

@@ -115,7 +115,7 @@ class Llama:
     # -- sizes of the per-device activations
     def activations(self, tile_dots=False):
         """{name: (dtype, elements)}; tile_dots: with the inputs and scratch of integer tile matmuls (`_tile_matmul`),
-        which a device of matrix instructions takes (`activation_bytes`, what placement plans with, leaves them out)."""
+        which a device of matrix instructions takes (`Caps.tile_dots`)."""
         c, T = self.cfg, self.T
         q, kv, ffn = c.n_head * c.head_dim, c.n_kv * c.head_dim, max(c.ffn, c.shared_ffn)
         inp = T * max(c.dim, q, ffn)  # the widest matmul input of a step
@@ -149,11 +149,11 @@ class Llama:
         return {"xt": ("u8", Tp * quant.DIGITS * cols), "xtd": ("f32", Tp * cols // ops.TILE_SPAN),
                 "xts": ("f32", Tp * cols // 32), "wt": ("i32", max(words)), "wts": ("f32", max(scales))}
 
-    def activation_bytes(self):
-        """What every device that runs a unit holds besides the units: activations, constants (the rope tables),
-        a margin."""
+    def activation_bytes(self, tile_dots=False):
+        """What a device that runs a unit holds besides the units: activations (`activations(tile_dots)`),
+        constants (the rope tables), a margin."""
         rope = self.positions * self.cfg.head_dim * 4 * len(self.ropes())  # rope_table's cos and sin, f32
-        return sum(size * ir.STORAGE_DTYPES[dt] for dt, size in self.activations().values()) + rope + (1 << 20)
+        return sum(size * ir.STORAGE_DTYPES[dt] for dt, size in self.activations(tile_dots).values()) + rope + (1 << 20)
 
     def ropes(self):
         """The frequencies and scales (`ModelFile.rope`) of the constants the rope launches read ("c:<name>"):

@@ -38,13 +38,17 @@ def _planned(eng, n_device_layers):
     units, devices = eng.model.units, eng.devices
     best = max(devices.values(), key=_rank).name
     shp = planner.shape(eng.model)
-    fits = eng.arenas[best].free_bytes >= sum(shp.unit_bytes) + sum(shp.kv_bytes) + eng.model.activation_bytes()
+
+    def reserve(caps):  # a device's activations (a device of matrix instructions holds its tile matmuls' too)
+        return eng.model.activation_bytes(caps.tile_dots)
+
+    fits = eng.arenas[best].free_bytes >= sum(shp.unit_bytes) + sum(shp.kv_bytes) + reserve(devices[best].caps)
     if len(devices) == 1:
         return {u: (best, "resident") for u in units}
     host = eng.host_device()
     if host is None:
         raise JitllmError("planning a split needs a CPU device among the engine's devices")
-    hw = planner.hardware(devices, eng.arenas, host, reserve=eng.model.activation_bytes())
+    hw = planner.hardware(devices, eng.arenas, host, reserve=reserve)
     if n_device_layers is None and fits:  # the best device holds it all: no split to weigh
         eng.plan = cm.predict(cm.Layout(((best, "resident"),) * len(units)), hw, shp)
         return {u: (best, "resident") for u in units}

@@ -90,7 +90,7 @@ def run_plan_here(args) -> int:
     context = args.context or 4096
     pages = -(-context // PAGE)
     model = Llama(ModelFile(path), STEP_TOKENS, PAGE, pages, "f16")
-    hw = planner.hardware(devs, arenas, host, reserve=model.activation_bytes())
+    hw = planner.hardware(devs, arenas, host, reserve=lambda caps: model.activation_bytes(caps.tile_dots))
     shape = planner.shape(model)
     rows, chosen = plan_rows(hw, shape, None, args.n_device_layers, planner.candidates)
     if args.json:

@@ -63,13 +63,13 @@ def link_bandwidth(dev):
     return measured(("link", dev.backend, dev.describe()), run)
 
 
-def hardware(devices: dict, arenas: dict, host: str, reserve=0) -> cm.Hardware:
-    """The devices as the cost model sees them; `reserve` bytes of each are kept for activations."""
+def hardware(devices: dict, arenas: dict, host: str, reserve=lambda caps: 0) -> cm.Hardware:
+    """The devices as the cost model sees them; `reserve(caps)` bytes of each are kept for activations."""
     host_bw = device_bandwidth(devices[host])
     devs, links = [], []
     for name, d in devices.items():
         bw = d.caps.bandwidth_Bps or device_bandwidth(d)
-        devs.append(cm.Device(name, max(0, arenas[name].free_bytes - reserve), bw, host=name == host))
+        devs.append(cm.Device(name, max(0, arenas[name].free_bytes - reserve(d.caps)), bw, host=name == host))
         if name != host:
             if d.backend == "cpu":  # another CPU partition: a memcpy in the same memory
                 links.append(cm.Link(host, name, host_bw / 2, 0.0))

@@ -106,6 +106,12 @@ class Caps:
     registers: int = 0             # f32 values one thread holds in vector registers (0: not said): register tiles' size
     extra: dict = field(default_factory=dict)
 
+    @property
+    def tile_dots(self) -> bool:
+        """Whether the device runs TileDot as matrix instructions (extra["tile_dots"]), so that its prefill steps take
+        integer tile matmuls (`Llama._tile_matmul`) and it holds their buffers."""
+        return bool(self.extra.get("tile_dots"))
+
 
 class Device:
     """A place where units run. Subclasses implement the methods below."""
