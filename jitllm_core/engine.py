@@ -351,7 +351,8 @@ class Engine:
         for i, (seg, launches) in enumerate(zip(segs, bound)):
             self.progress("compiling kernels", i, len(segs))
             faults.check("compile", seg.device)
-            seg.program, seg.prefill = (self.devices[seg.device].program(lns) for lns in launches)
+            # the prefill program first: its module is the larger, so its compile starts while decode's is lowered
+            seg.prefill, seg.program = (self.devices[seg.device].program(lns) for lns in reversed(launches))
         for seg in segs:   # compile errors come from here, not from the first step
             seg.program.ready(), seg.prefill.ready()
         self.progress("compiling kernels", len(segs), len(segs))

@@ -313,6 +313,29 @@ def test_cpu_llvm_compile_error_names_the_device(cpu, tmp_path, monkeypatch):
         del cpu.compiled["not-a-module"]
 
 
+def test_cpu_llvm_compile_process_that_dies_is_an_error_naming_the_device(cpu, tmp_path, monkeypatch):
+    """A compile process that ends without an answer (LLVM aborting on a module, or the process killed): the wait
+    raises an error naming the device and what happened, and the next module gets a process of its own."""
+    from jitllm_core.errors import BackendError
+    from jitllm_cpu_llvm import compiler, runtime
+    monkeypatch.setenv("JITLLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(runtime, "_COMPILERS", compiler.Compilers(1))
+    real_python = compiler.sys.executable
+    monkeypatch.setattr(compiler.sys, "executable", "/bin/false")  # a "compiler" that exits at once
+    compiled = cpu.compile("dies", lambda: "define void @jl_step(ptr, ptr, i32, i32, ptr, ptr) { ret void }")
+    try:
+        with pytest.raises(BackendError, match=rf"{cpu.name}: LLVM compile failed: the compile process ended"):
+            compiled.wait()
+    finally:
+        del cpu.compiled["dies"]
+    monkeypatch.setattr(compiler.sys, "executable", real_python)
+    compiled = cpu.compile("lives", lambda: "define void @jl_step(ptr, ptr, i32, i32, ptr, ptr) { ret void }")
+    try:
+        assert compiled.wait() is not None
+    finally:
+        del cpu.compiled["lives"]
+
+
 def test_prefetch_is_a_hint_of_a_buffer_the_kernel_has():
     """A prefetch names one of the kernel's buffers and an i32 index; it shows in the kernel's text (so in its key)
     and changes nothing the kernel computes (the interpreter skips it)."""

@@ -20,57 +20,23 @@ import llvmlite
 import llvmlite.binding as llvm
 import numpy as np
 
-from jitllm_core.cache import cache_dir, digest, write_atomic
+from jitllm_core.cache import cache_dir, digest
 from jitllm_core.errors import BackendError
 from jitllm_core.plugin import BackendUnavailable, Buffer, Caps, Device, Program
 
-from . import emulation, lower
+from . import compiler, emulation, lower
+from .compiler import host, machine_scheduler, optimize, target_machine  # noqa: F401 (the device's LLVM)
 
 STEP = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p,
                         ctypes.c_void_p)
-_init_lock = threading.Lock()
-LOWERING = digest(Path(lower.__file__).read_bytes(), Path(__file__).read_bytes())  # code is as new as its compiler
-_passes = None
-
-
-@functools.cache
-def host():
-    """(triple, CPU name, feature string, features) of this machine, asked of LLVM once: LLVM's binding calls share
-    one lock, which a compile on LLVM's thread holds for seconds, and lowering must not wait for it."""
-    feats = llvm.get_host_cpu_features()
-    return llvm.get_process_triple(), llvm.get_host_cpu_name(), feats.flatten(), dict(feats)
-
-
-def target_machine(cpu=None):
-    """A fresh target machine for this CPU, or for the CPU LLVM names cpu (its own features): the pass builder and
-    each MCJIT engine take ownership of theirs."""
-    llvm.initialize_native_target()
-    llvm.initialize_native_asmprinter()
-    triple, host_cpu, host_features, _ = host()
-    name, features = (cpu, "") if cpu else (host_cpu, host_features)
-    return llvm.Target.from_triple(triple).create_target_machine(cpu=name, features=features, opt=3)
-
-
-def optimize(mod, tm=None):
-    """LLVM's -O3 on mod, for this CPU or for target machine tm (assembly.py's named CPUs)."""
-    global _passes
-    with _init_lock:
-        if _passes is None:
-            _passes = _pass_builder(target_machine())
-        passes = _passes if tm is None else _pass_builder(tm)
-        passes.getModulePassManager().run(mod, passes)
-
-
-def _machine_scheduler(on):
-    """Whether the next code generation runs LLVM's machine scheduler (a process-wide option: only LLVM's thread
-    generates code, `on_llvm_thread`)."""
-    llvm.set_option("", f"-enable-misched={'true' if on else 'false'}")
+LOWERING = digest(*(Path(m.__file__).read_bytes() for m in (lower, compiler)), Path(__file__).read_bytes())
+# (code is as new as its compiler)
 
 
 def on_llvm_thread(generate, schedule=True):
     """generate() (code generation of one module) run on LLVM's thread, with its machine scheduler or without."""
     def run():
-        _machine_scheduler(schedule)
+        machine_scheduler(schedule)
         return generate()
     return _LLVM.submit(run).result()
 
@@ -83,10 +49,6 @@ def machine_scheduled(device, kernels) -> bool:
     tagged = [k for k in kernels if k.tune_tag]
     return lower.has_vnni(device.width, device.instructions) or not tagged or \
         any(k.tune_tag not in device.tuned for k in tagged)
-
-
-def _pass_builder(tm):
-    return llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=3))
 
 
 def simd_width(feats=None):
@@ -124,9 +86,11 @@ def compile_failed(device_name, e):
     return BackendError(f"{device_name}: LLVM compile failed: {e}")
 
 
-# LLVM works on one thread of its own, one module at a time, each in a context of its own: a program's module is
-# compiled there while the caller goes on lowering the next one (a cold start lowers two: decode and prefill)
+# LLVM works in the caller's process on one thread of its own (llvmlite holds one lock around each of its calls):
+# it loads compiled code there; compile processes (compiler.Compilers) make the code, as many modules at once as
+# there are cores (up to 4: a cold start compiles the decode and prefill programs, and a tuning's variants)
 _LLVM = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jitllm-llvm")
+_COMPILERS = compiler.Compilers(max(1, min(4, os.cpu_count() or 1)))
 # every Compiled, kept for the process's life whatever becomes of its device: compiled code is never unloaded
 # (Workers), and a device let go of (tests make some for other CPUs) took the process down as its engines and
 # their LLVM contexts were collected
@@ -136,47 +100,44 @@ _LOADED = []
 class Compiled:
     """A JIT-compiled program module, its object code cached on disk under `key` (what the module is made of:
     kernels, bindings, this lowering's source, the CPU), so that a warm start neither lowers nor compiles. Not
-    cached: lowered to LLVM IR text on the caller's thread, compiled on LLVM's; `wait` waits for it."""
+    cached: lowered to LLVM IR text on the caller's thread, compiled by a compile process into the cache, and
+    loaded from there as a warm start loads it; `wait` waits for it."""
 
     def __init__(self, key: str, text_fn, device_name="cpu", schedule=True):
         self.path, self.device_name, self.schedule = cache_dir("cpu") / f"{key}.o", device_name, schedule
+        self._lock = threading.Lock()
         _LOADED.append(self)
-        self.cached = self.path.exists()
-        self._step = _LLVM.submit(self._engine, None).result() if self.cached else None  # code from the cache
+        self._step = self._load() if self.path.exists() else None
         if not self._step:  # not cached (or unreadable): lower, then compile
-            self.cached = False
-            self._compiling = _LLVM.submit(self._compile, text_fn())
-
-    def _compile(self, text):
-        self.context = llvm.create_context()
-        mod = llvm.parse_assembly(text, context=self.context)
-        mod.link_in(llvm.parse_assembly(lower.SUPPORT_IR, context=self.context))
-        mod.verify()
-        optimize(mod)
-        _machine_scheduler(self.schedule)  # LLVM's option, global: set for each module on this, LLVM's one thread
-        return self._engine(mod)
+            self._compiling = _COMPILERS.submit(text_fn(), lower.SUPPORT_IR, schedule, self.path)
 
     def wait(self):
         """The compiled step function, once LLVM is done (its error raised as a BackendError)."""
-        if self._step is None:
-            try:
-                self._step = self._compiling.result()
-            except RuntimeError as e:
-                raise compile_failed(self.device_name, e) from None
+        with self._lock:
+            if self._step is None:
+                try:
+                    self._compiling.result()
+                except (RuntimeError, compiler.Crashed) as e:
+                    raise compile_failed(self.device_name, e) from None
+                self._step = self._load()
+                if self._step is None:
+                    raise compile_failed(self.device_name, f"{self.path.name} holds no step function")
         return self._step
 
-    def _engine(self, mod):
-        self.engine = llvm.create_mcjit_compiler(mod or llvm.parse_assembly(""), target_machine())
-        self.engine.set_object_cache(self._save, self._load)
+    def _load(self):
+        """The step function of the object code in the cache, loaded on LLVM's thread (None: none to be had)."""
+        try:
+            obj = self.path.read_bytes()
+        except OSError:
+            return None
+        return _LLVM.submit(self._engine, obj).result()
+
+    def _engine(self, obj):
+        self.engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), target_machine())
+        self.engine.set_object_cache(getbuffer_func=lambda _mod: obj)
         self.engine.finalize_object()
         address = self.engine.get_function_address("jl_step")
         return STEP(address) if address else None
-
-    def _save(self, _mod, buf):
-        write_atomic(self.path, buf)
-
-    def _load(self, _mod):
-        return self.path.read_bytes() if self.cached else None
 
 
 class Workers:

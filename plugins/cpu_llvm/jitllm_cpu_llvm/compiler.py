@@ -1,0 +1,150 @@
+"""LLVM for this CPU: its target machine, -O3, and the compile of a program's module to object code -- which runs in
+processes of its own (`compile_object`), as many modules at once as the machine has cores to spare.
+
+Why processes: llvmlite holds one lock around every call into LLVM, so threads compile one module at a time, and the
+machine scheduler is a process-wide option set per module. A process compiles one module at a time with its own
+option and lock; the object file it writes is what a warm start loads (runtime.Compiled), and an LLVM crash there
+breaks that process, not the engine's.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import llvmlite.binding as llvm
+
+from jitllm_core.cache import write_atomic
+
+_local = threading.local()  # a thread's pass builder, and in the parent its compile process
+
+
+@functools.cache
+def host():
+    """(triple, CPU name, feature string, features) of this machine, asked of LLVM once: LLVM's binding calls share
+    one lock, which a module's code generation holds for seconds, and lowering must not wait for it."""
+    feats = llvm.get_host_cpu_features()
+    return llvm.get_process_triple(), llvm.get_host_cpu_name(), feats.flatten(), dict(feats)
+
+
+def target_machine(cpu=None):
+    """A fresh target machine for this CPU, or for the CPU LLVM names cpu (its own features): the pass builder and
+    each MCJIT engine take ownership of theirs."""
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    triple, host_cpu, host_features, _ = host()
+    name, features = (cpu, "") if cpu else (host_cpu, host_features)
+    return llvm.Target.from_triple(triple).create_target_machine(cpu=name, features=features, opt=3)
+
+
+def optimize(mod, tm=None):
+    """LLVM's -O3 on mod, for this CPU or for target machine tm (assembly.py's named CPUs)."""
+    if tm is None:
+        if getattr(_local, "passes", None) is None:
+            _local.passes = _pass_builder(target_machine())
+        passes = _local.passes
+    else:
+        passes = _pass_builder(tm)
+    passes.getModulePassManager().run(mod, passes)
+
+
+def _pass_builder(tm):
+    return llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=3))
+
+
+def machine_scheduler(on):
+    """Whether the next code generation in this process runs LLVM's machine scheduler (a process-wide option)."""
+    llvm.set_option("", f"-enable-misched={'true' if on else 'false'}")
+
+
+def parsed(text, support, context=None):
+    """A program's module, parsed, linked with the support functions' IR (support) and verified."""
+    mod = llvm.parse_assembly(text, context=context)
+    mod.link_in(llvm.parse_assembly(support, context=context))
+    mod.verify()
+    return mod
+
+
+def compile_object(text, support, schedule, path):
+    """In a compile process: the module's object code for this CPU as MCJIT makes it, written to `path` (whole or
+    not at all: a reader never sees half of it). LLVM's parse, verify and code generation errors are raised as
+    RuntimeError."""
+    mod = parsed(text, support)
+    optimize(mod)
+    machine_scheduler(schedule)
+    engine = llvm.create_mcjit_compiler(mod, target_machine())
+    engine.set_object_cache(lambda _mod, buf: write_atomic(Path(path), buf), lambda _mod: None)
+    engine.finalize_object()
+
+
+class Crashed(Exception):
+    """A compile process ended without an answer (LLVM aborted on the module, or the process was killed)."""
+
+
+class Compilers:
+    """Compile processes (`python -m jitllm_cpu_llvm.compiler`), each fed by a thread of the engine's process that
+    sends it one module at a time: `submit` returns a future of `compile_object`'s outcome. Plain processes, not
+    multiprocessing's, which would import the user's main script again in each. Started at the first module a
+    cold cache leaves to compile; a process that crashed is started anew for the next module."""
+
+    def __init__(self, n):
+        self.pool = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="jitllm-compile")
+
+    def submit(self, text, support, schedule, path):
+        return self.pool.submit(self._compile, (text, support, schedule, str(path)))
+
+    @staticmethod
+    def _compile(job):
+        proc = getattr(_local, "proc", None)
+        if proc is None or proc.poll() is not None:
+            proc = _local.proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
+                                                  stdout=subprocess.PIPE)
+        try:
+            _send(proc.stdin, job)
+            error = _receive(proc.stdout)
+        except (OSError, EOFError, struct.error) as e:
+            proc.kill()
+            raise Crashed(f"the compile process ended (exit status {proc.wait()})") from e
+        if error is not None:
+            raise RuntimeError(error)
+
+
+def _send(f, obj):
+    data = pickle.dumps(obj)
+    f.write(struct.pack("<Q", len(data)) + data)
+    f.flush()
+
+
+def _receive(f):
+    head = f.read(8)
+    if len(head) < 8:
+        raise EOFError
+    return pickle.loads(f.read(struct.unpack("<Q", head)[0]))
+
+
+def serve():
+    """A compile process: modules from stdin, each answered on stdout with None or LLVM's error; stdout is the
+    answers' alone (whatever else would print there goes to stderr)."""
+    answers = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    requests = sys.stdin.buffer
+    while True:
+        try:
+            job = _receive(requests)
+        except EOFError:  # the engine's process is gone
+            return
+        try:
+            compile_object(*job)
+            _send(answers, None)
+        except RuntimeError as e:
+            _send(answers, str(e))
+
+
+if __name__ == "__main__":
+    serve()
