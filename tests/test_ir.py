@@ -299,9 +299,10 @@ def test_cpu_ops_match_interpreter(cpu, op):
 
 
 def test_cpu_llvm_compile_error_names_the_device(cpu, tmp_path, monkeypatch):
-    """A module LLVM refuses (compiled on LLVM's own thread, while the caller goes on): a clear error when it is
+    """A module LLVM refuses (compiled by a compile process, while the caller goes on): a clear error when it is
     waited for (a program's ready(), as the engine calls it before running programs), and again at each wait."""
     from jitllm_core.errors import BackendError
+    from jitllm_cpu_llvm import runtime
     monkeypatch.setenv("JITLLM_CACHE_DIR", str(tmp_path))
     compiled = cpu.compile("not-a-module", lambda: "define void @jl_step( {")
     try:
@@ -310,7 +311,7 @@ def test_cpu_llvm_compile_error_names_the_device(cpu, tmp_path, monkeypatch):
         with pytest.raises(BackendError, match="LLVM compile failed"):
             compiled.wait()
     finally:
-        del cpu.compiled["not-a-module"]
+        del runtime._COMPILED["not-a-module"]
 
 
 def test_cpu_llvm_compile_process_that_dies_is_an_error_naming_the_device(cpu, tmp_path, monkeypatch):
@@ -327,13 +328,13 @@ def test_cpu_llvm_compile_process_that_dies_is_an_error_naming_the_device(cpu, t
         with pytest.raises(BackendError, match=rf"{cpu.name}: LLVM compile failed: the compile process ended"):
             compiled.wait()
     finally:
-        del cpu.compiled["dies"]
+        del runtime._COMPILED["dies"]
     monkeypatch.setattr(compiler.sys, "executable", real_python)
     compiled = cpu.compile("lives", lambda: "define void @jl_step(ptr, ptr, i32, i32, ptr, ptr) { ret void }")
     try:
         assert compiled.wait() is not None
     finally:
-        del cpu.compiled["lives"]
+        del runtime._COMPILED["lives"]
 
 
 def test_prefetch_is_a_hint_of_a_buffer_the_kernel_has():

@@ -31,15 +31,13 @@ def device(cpu, threads=1):
 
 
 def module(k, width, isa, options=None):
-    """The LLVM IR of a program of kernel k alone, lowered for `width` lanes and instructions `isa` (options: its
+    """The LLVM IR of kernel k's module, lowered for `width` lanes and instructions `isa` (options: its
     tuned lowering options, as CpuDevice.tune gives them)."""
-    return str(lower.program_module([(k.key(), list(range(len(k.buffers))), list(range(len(k.scalars))), True)], [k],
-                                    width, llvm.get_process_triple(), isa,
-                                    options={k.key(): options} if options else None))
+    return str(lower.kernel_module(k, f"k_{k.name}", width, llvm.get_process_triple(), isa, options))
 
 
 def assembly(k, cpu=None, schedule=True):
-    """x86 assembly (AT&T) of a program of kernel k alone, for `cpu` (a TARGETS name; None: this CPU), with LLVM's
+    """x86 assembly (AT&T) of kernel k's module, for `cpu` (a TARGETS name; None: this CPU), with LLVM's
     machine scheduler or without (generated on LLVM's thread, where the option is set for each module)."""
     feats = None if cpu is None else features(cpu)
     tm = runtime.target_machine(cpu)

@@ -18,8 +18,10 @@ sum of `dot4`s accumulates each into the sum so far (VNNI's vpdpbusd; where the 
 provably small, pmaddubsw's pair sums add up as i16 as far as their bound allows, then widen once). Weights streamed
 from memory are prefetched a few KB ahead (into L1) and further (non-temporally), once per cache line, where the
 device's tuning keeps it (CpuDevice.tunables).
-A program module adds `step(ptr bufs, ptr scalars, tid, nth, barrier, counters)` that calls every launch's kernel in
-order (through functions of STEP_PART launches each) with a barrier after each that a later launch depends on.
+Each kernel is a module of its own (`kernel_module`), compiled once for every program that launches it; a program's
+module (`program_module`) holds `step(ptr bufs, ptr scalars, tid, nth, barrier, counters)` that calls every launch's
+kernel in order (through functions of STEP_PART launches each) with a barrier after each that a later launch
+depends on.
 """
 from __future__ import annotations
 
@@ -188,11 +190,10 @@ class Dot4Sum:
 
 
 class KernelLowering:
-    def __init__(self, module: L.Module, kernel: ir.Kernel, width: int, isa=frozenset(), options=None):
+    def __init__(self, module: L.Module, kernel: ir.Kernel, width: int, isa=frozenset(), options=None, name=None):
         self.k, self.W, self.isa = kernel, width, isa
         self.prefetches = (options or {}).get("prefetch", PREFETCH)  # the tuned options (CpuDevice.tune)
-        args = [PTR] * len(kernel.buffers) + [I32] * len(kernel.scalars) + [I32, I32, PTR, PTR]
-        self.fn = L.Function(module, L.FunctionType(VOID, args), name=f"k_{kernel.name}_{kernel.key()}")
+        self.fn = L.Function(module, kernel_type(kernel), name=name or f"k_{kernel.name}_{kernel.key()}")
         self.k = kernel = ir.expand_tile_dots(kernel, lambda s: amx_fits(s, isa))
         self.fn.attributes.add("noinline")
         # allocas live in their own entry block so that two builders never insert into one block
@@ -1495,25 +1496,42 @@ def has_vnni(n, isa):
     return n == 16 and "avx512vnni" in isa or n == 8 and ("avxvnni" in isa or {"avx512vnni", "avx512vl"} <= isa)
 
 
-def program_module(launch_slots, kernels, width, triple, isa=frozenset(), stamps=None, options=None) -> L.Module:
-    """One module: every distinct kernel, the barrier, and `step` that calls the launches in order.
+def kernel_type(kernel) -> L.FunctionType:
+    """A kernel's function: its buffers, its scalars, then tid, nth, the barrier and its claim counters."""
+    return L.FunctionType(VOID, [PTR] * len(kernel.buffers) + [I32] * len(kernel.scalars) + [I32, I32, PTR, PTR])
+
+
+def _module(name, triple):
+    """A module that calls `jl_barrier` and `jl_stamp` (defined by SUPPORT_IR, linked in as it is compiled)."""
+    m = L.Module(name=name)
+    m.triple = triple
+    L.Function(m, L.FunctionType(VOID, [PTR, I32]), name="jl_barrier")
+    L.Function(m, L.FunctionType(VOID, [PTR, I32, I32]), name="jl_stamp")
+    return m
+
+
+def kernel_module(kernel, name, width, triple, isa=frozenset(), options=None) -> L.Module:
+    """Kernel `kernel` alone, as function `name` for `width` lanes and instructions `isa`; options: its tuned lowering
+    options (CpuDevice.tune), if any."""
+    m = _module(name, triple)
+    KernelLowering(m, kernel, width, isa, options, name).lower()
+    return m
+
+
+def program_module(launch_slots, kernels, triple, stamps=None) -> L.Module:
+    """One program: `step`, which calls the launches in order, and the barrier.
 
     launch_slots: list of (kernel key, [buffer slot per buffer param], [scalar slot per scalar param],
-    barrier after this launch?). The last launch is always followed by a barrier. Each launch's parallel loops
-    claim work from counters of their own (CLAIM_STRIDE i32s apart, all of them zero when a step starts), which
-    thread 0 zeroes again once the step's final barrier is passed. stamps: the buffer slot of a timed program's
-    timestamps (i64 ns; [0] once every thread has started, [i + 1] after launch i's barrier), else None.
-    options: kernel key -> its tuned lowering options (CpuDevice.tune), where it has any.
+    barrier after this launch?). The last launch is always followed by a barrier. kernels: kernel key -> (the kernel,
+    the name of its function, defined by its own module). Each launch's parallel loops claim work from counters of
+    their own (CLAIM_STRIDE i32s apart, all of them zero when a step starts), which thread 0 zeroes again once the
+    step's final barrier is passed. stamps: the buffer slot of a timed program's timestamps (i64 ns; [0] once every
+    thread has started, [i + 1] after launch i's barrier), else None.
     """
-    m = L.Module(name="jitllm_program")
-    m.triple = triple
-    barrier = L.Function(m, L.FunctionType(VOID, [PTR, I32]), name="jl_barrier")  # defined by SUPPORT_IR
-    stamp = L.Function(m, L.FunctionType(VOID, [PTR, I32, I32]), name="jl_stamp")
-    fns, claims = {}, {}
-    for k in kernels:
-        if k.key() not in fns:
-            fns[k.key()] = KernelLowering(m, k, width, isa, (options or {}).get(k.key())).lower()
-            claims[k.key()] = claim_counters(k)
+    m = _module("jitllm_program", triple)
+    barrier, stamp = m.get_global("jl_barrier"), m.get_global("jl_stamp")
+    fns = {key: L.Function(m, kernel_type(k), name=name) for key, (k, name) in kernels.items()}
+    claims = {key: claim_counters(k) for key, (k, _) in kernels.items()}
     sig = L.FunctionType(VOID, [PTR, PTR, I32, I32, PTR, PTR])
     step = L.Function(m, sig, name="jl_step")
     sb = L.IRBuilder(step.append_basic_block("entry"))

@@ -41,14 +41,12 @@ def on_llvm_thread(generate, schedule=True):
     return _LLVM.submit(run).result()
 
 
-def machine_scheduled(device, kernels) -> bool:
-    """Whether a program of these kernels is compiled with LLVM's machine scheduler, which orders a whole module:
-    not where every tagged kernel among them was tuned for streaming (the decode step's matvecs; a prefill gemm is
-    tagged and never tuned) on a CPU without VNNI, where it interleaves their byte products' i16 sums into spills
-    (a Zen 3's decode matvecs 10 % slower in the step with it; its prefill gemm at half the pace without it)."""
-    tagged = [k for k in kernels if k.tune_tag]
-    return lower.has_vnni(device.width, device.instructions) or not tagged or \
-        any(k.tune_tag not in device.tuned for k in tagged)
+def machine_scheduled(device, k) -> bool:
+    """Whether kernel k's module is compiled with LLVM's machine scheduler: not where it was tuned for streaming (a
+    decode step's matvec; a prefill gemm is tagged and never tuned) on a CPU without VNNI, where the scheduler
+    interleaves its byte products' i16 sums into spills (a Zen 3's decode matvecs 10 % slower in the step with it;
+    its prefill gemm at half the pace without it)."""
+    return lower.has_vnni(device.width, device.instructions) or k.tune_tag not in device.tuned
 
 
 def simd_width(feats=None):
@@ -91,41 +89,64 @@ def compile_failed(device_name, e):
 # there are cores (up to 4: a cold start compiles the decode and prefill programs, and a tuning's variants)
 _LLVM = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jitllm-llvm")
 _COMPILERS = compiler.Compilers(max(1, min(4, os.cpu_count() or 1)))
-# every Compiled, kept for the process's life whatever becomes of its device: compiled code is never unloaded
-# (Workers), and a device let go of (tests make some for other CPUs) took the process down as its engines and
-# their LLVM contexts were collected
-_LOADED = []
+# every Compiled by its key, made once a process and kept for its life whatever becomes of its device: compiled code is
+# never unloaded (Workers), and a device let go of (tests make some for other CPUs) took the process down as its
+# engines and their LLVM contexts were collected
+_COMPILED = {}
+_COMPILED_LOCK = threading.Lock()
 
 
 class Compiled:
-    """A JIT-compiled program module, its object code cached on disk under `key` (what the module is made of:
-    kernels, bindings, this lowering's source, the CPU), so that a warm start neither lowers nor compiles. Not
-    cached: lowered to LLVM IR text on the caller's thread, compiled by a compile process into the cache, and
-    loaded from there as a warm start loads it; `wait` waits for it."""
+    """A JIT-compiled module -- a kernel's or a program's -- its object code cached on disk under `key` (what the
+    module is made of: the kernel or the launches, this lowering's source, the CPU), so that a warm start neither
+    lowers nor compiles. Not cached: lowered to LLVM IR text on the caller's thread, compiled by a compile process
+    into the cache, and loaded from there as a warm start loads it; `wait` waits for it. symbol: the function it
+    is called by; needs: the Compileds of the functions it calls (a program's kernels), loaded before it."""
 
-    def __init__(self, key: str, text_fn, device_name="cpu", schedule=True):
+    def __init__(self, key: str, text_fn, device_name="cpu", schedule=True, symbol="jl_step", needs=()):
         self.path, self.device_name, self.schedule = cache_dir("cpu") / f"{key}.o", device_name, schedule
-        self._lock = threading.Lock()
-        _LOADED.append(self)
-        self._step = self._load() if self.path.exists() else None
-        if not self._step:  # not cached (or unreadable): lower, then compile
-            self._compiling = _COMPILERS.submit(text_fn(), lower.SUPPORT_IR, schedule, self.path)
+        self.symbol, self.needs = symbol, list(needs)
+        self._lock, self._text_fn = threading.Lock(), text_fn
+        self._address = self._compiling = None
+        if self.path.exists() and all(n._address for n in self.needs):  # (else loaded once they are)
+            self._link()
+            self._address = self._load()  # (None: unreadable, compiled anew)
+        if not self._address and not self.path.exists():
+            self._submit()
 
-    def wait(self):
-        """The compiled step function, once LLVM is done (its error raised as a BackendError)."""
+    def wait(self) -> int:
+        """The address of the compiled function, once LLVM is done (its error raised as a BackendError)."""
         with self._lock:
-            if self._step is None:
-                try:
-                    self._compiling.result()
-                except (RuntimeError, compiler.Crashed) as e:
-                    raise compile_failed(self.device_name, e) from None
-                self._step = self._load()
-                if self._step is None:
-                    raise compile_failed(self.device_name, f"{self.path.name} holds no step function")
-        return self._step
+            if not self._address:
+                self._link()
+                self._join()
+                self._address = self._load()
+                if not self._address:  # a cached object that would not load: compiled anew
+                    self._submit()
+                    self._join()
+                    self._address = self._load()
+                if not self._address:
+                    raise compile_failed(self.device_name, f"{self.path.name} holds no function {self.symbol}")
+                self._text_fn = None
+        return self._address
+
+    def _submit(self):
+        self._compiling = _COMPILERS.submit(self._text_fn(), lower.SUPPORT_IR, self.schedule, self.path)
+
+    def _join(self):
+        if self._compiling is not None:
+            try:
+                self._compiling.result()
+            except (RuntimeError, compiler.Crashed) as e:
+                raise compile_failed(self.device_name, e) from None
+
+    def _link(self):
+        """Make the functions this module calls known by their names (LLVM resolves them as it loads it)."""
+        for n in self.needs:
+            llvm.add_symbol(n.symbol, n.wait())
 
     def _load(self):
-        """The step function of the object code in the cache, loaded on LLVM's thread (None: none to be had)."""
+        """The function's address in the object code in the cache, loaded on LLVM's thread (None: none to be had)."""
         try:
             obj = self.path.read_bytes()
         except OSError:
@@ -136,15 +157,14 @@ class Compiled:
         self.engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), target_machine())
         self.engine.set_object_cache(getbuffer_func=lambda _mod: obj)
         self.engine.finalize_object()
-        address = self.engine.get_function_address("jl_step")
-        return STEP(address) if address else None
+        return self.engine.get_function_address(self.symbol) or None
 
 
 class Workers:
     """nth-1 persistent threads that each call the step function with their own tid.
 
     Workers may still be returning from the step's final barrier after thread 0 has moved on, so the barrier
-    word belongs to the Workers (not to a program) and compiled code is never unloaded (see CpuDevice.compiled).
+    word belongs to the Workers (not to a program) and compiled code is never unloaded (see _COMPILED).
     """
 
     def __init__(self, nth: int):
@@ -197,14 +217,13 @@ class CpuProgram(Program):
         self.stamps = CpuBuffer(device, 8 * (len(launches) + 1)) if timed else None
         stamps = bslot.setdefault(id(self.stamps), (len(bslot), self.stamps))[0] if timed else None
         kernels = [ln.kernel for ln in launches]
-        options = {k.key(): device.tuned[k.tune_tag] for k in kernels if k.tune_tag in device.tuned}
-        triple, cpu, features, _ = host()
-        # (whether the scheduler runs follows from what the key holds: the kernels, which are tuned, the CPU)
-        key = digest(LOWERING, slots, stamps, device.width, sorted(device.instructions), device.emulation, triple, cpu,
-                     features, llvmlite.__version__, sorted(options.items()))
-        self.compiled = device.compile(key, lambda: device.made_runnable(str(lower.program_module(
-            slots, kernels, device.width, triple, device.instructions, stamps, options))),
-                                       machine_scheduled(device, kernels))
+        self.kernel_code = {k.key(): device.kernel_code(k) for k in kernels}
+        named = {key: (k, self.kernel_code[key].symbol) for key, k in zip((k.key() for k in kernels), kernels)}
+        triple = host()[0]
+        key = digest(LOWERING, slots, stamps, sorted((key, name) for key, (_, name) in named.items()), triple)
+        self.compiled = device.compile(key, lambda: str(lower.program_module(slots, named, triple, stamps)),
+                                       needs=self.kernel_code.values())
+        self.step = None
         self.scalar_slots = sslot
         self.keep = [b for _, b in bslot.values()]
         self.bufs = (ctypes.c_void_p * max(1, len(bslot)))(*[b.addr for _, b in sorted(bslot.values(), key=lambda t: t[0])])
@@ -212,12 +231,16 @@ class CpuProgram(Program):
         self.counters = CpuBuffer(device, 4 * lower.CLAIM_STRIDE * max(1, sum(map(lower.claim_counters, kernels))))
 
     def ready(self):
-        self.compiled.wait()
+        self._step()
+
+    def _step(self):
+        self.step = STEP(self.compiled.wait())
+        return self.step
 
     def run(self, values):
         for name, i in self.scalar_slots.items():
             self.scal[i] = int(values[name])
-        self.device.workers.run(self.compiled.wait(), ctypes.addressof(self.bufs), ctypes.addressof(self.scal),
+        self.device.workers.run(self.step or self._step(), ctypes.addressof(self.bufs), ctypes.addressof(self.scal),
                                 self.counters.addr)
         if self.stamps is not None:
             return list(np.diff(self.stamps.arr.view(np.int64)) * 1e-9)
@@ -265,7 +288,6 @@ class CpuDevice(Device):
         if AMX <= self.instructions:  # TileDot as AMX tile multiplies (lower.amx_fits)
             self.caps.extra["tile_dots"] = True
         self.used = 0
-        self.compiled = {}  # program key -> Compiled, kept for the process's life (see Workers)
         self.tuned = {}  # kernel tag -> lowering options (Device.tune)
         self._lock = threading.Lock()
         self.configure(threads=threads)
@@ -318,14 +340,27 @@ class CpuDevice(Device):
     def timed_program(self, launches):
         return CpuProgram(self, launches, timed=True)
 
-    def compile(self, key, text_fn, schedule=True):
-        if key in self.compiled:
-            return self.compiled[key]
-        try:
-            self.compiled[key] = Compiled(key, text_fn, self.name, schedule)
-            return self.compiled[key]
-        except RuntimeError as e:  # loading the cached code
-            raise compile_failed(self.name, e) from None
+    def kernel_code(self, k):
+        """Kernel k's code for this device (its tuned options, its instructions), shared by every program that
+        launches it -- and by other devices of the same kind, as its function's name is the key of its code."""
+        options = self.tuned.get(k.tune_tag) if k.tune_tag else None
+        schedule = machine_scheduled(self, k)
+        triple, cpu, features, _ = host()
+        key = digest(LOWERING, k.key(), self.width, sorted(self.instructions), self.emulation, triple, cpu, features,
+                     llvmlite.__version__, sorted((options or {}).items()), schedule)
+        name = f"k_{k.name}_{key}"
+        return self.compile(key, lambda: self.made_runnable(str(lower.kernel_module(
+            k, name, self.width, triple, self.instructions, options))), schedule, name)
+
+    def compile(self, key, text_fn, schedule=True, symbol="jl_step", needs=()):
+        """The Compiled of module text_fn() (its key: what it is made of), made once a process."""
+        with _COMPILED_LOCK:
+            if key not in _COMPILED:
+                try:
+                    _COMPILED[key] = Compiled(key, text_fn, self.name, schedule, symbol, needs)
+                except RuntimeError as e:  # loading the cached code
+                    raise compile_failed(self.name, e) from None
+            return _COMPILED[key]
 
 
 def total_memory():
