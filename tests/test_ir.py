@@ -316,25 +316,24 @@ def test_cpu_llvm_compile_error_names_the_device(cpu, tmp_path, monkeypatch):
 
 def test_cpu_llvm_compile_process_that_dies_is_an_error_naming_the_device(cpu, tmp_path, monkeypatch):
     """A compile process that ends without an answer (LLVM aborting on a module, or the process killed): the wait
-    raises an error naming the device and what happened, and the next module gets a process of its own."""
+    raises an error naming the device and what happened, and the next module gets a process of its own; where no
+    process can be started (no Python executable), modules compile in the engine's process."""
     from jitllm_core.errors import BackendError
     from jitllm_cpu_llvm import compiler, runtime
     monkeypatch.setenv("JITLLM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(runtime, "_COMPILERS", compiler.Compilers(1))
-    real_python = compiler.sys.executable
-    monkeypatch.setattr(compiler.sys, "executable", "/bin/false")  # a "compiler" that exits at once
-    compiled = cpu.compile("dies", lambda: "define void @jl_step(ptr, ptr, i32, i32, ptr, ptr) { ret void }")
-    try:
-        with pytest.raises(BackendError, match=rf"{cpu.name}: LLVM compile failed: the compile process ended"):
-            compiled.wait()
-    finally:
-        del runtime._COMPILED["dies"]
-    monkeypatch.setattr(compiler.sys, "executable", real_python)
-    compiled = cpu.compile("lives", lambda: "define void @jl_step(ptr, ptr, i32, i32, ptr, ptr) { ret void }")
-    try:
-        assert compiled.wait() is not None
-    finally:
-        del runtime._COMPILED["lives"]
+    step = "define void @jl_step(ptr, ptr, i32, i32, ptr, ptr) { ret void }"
+    for name, python in (("dies", "/bin/false"), ("here", tmp_path / "none"), ("lives", compiler.sys.executable)):
+        monkeypatch.setattr(compiler.sys, "executable", str(python))  # /bin/false: a "compiler" that exits at once
+        compiled = cpu.compile(name, lambda: step)
+        try:
+            if name == "dies":
+                with pytest.raises(BackendError, match=rf"{cpu.name}: LLVM compile failed: the compile process ended"):
+                    compiled.wait()
+            else:
+                assert compiled.wait()
+        finally:
+            del runtime._COMPILED[name]
 
 
 def test_prefetch_is_a_hint_of_a_buffer_the_kernel_has():

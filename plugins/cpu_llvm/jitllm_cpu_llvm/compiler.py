@@ -23,6 +23,7 @@ import llvmlite.binding as llvm
 from jitllm_core.cache import write_atomic
 
 _local = threading.local()  # a thread's pass builder, and in the parent its compile process
+_in_process = threading.Lock()  # modules compiled in this process (Compilers, without processes): one at a time
 
 
 @functools.cache
@@ -91,7 +92,9 @@ class Compilers:
     """Compile processes (`python -m jitllm_cpu_llvm.compiler`), each fed by a thread of the engine's process that
     sends it one module at a time: `submit` returns a future of `compile_object`'s outcome. Plain processes, not
     multiprocessing's, which would import the user's main script again in each. Started at the first module a
-    cold cache leaves to compile; a process that crashed is started anew for the next module."""
+    cold cache leaves to compile; a process that crashed is started anew for the next module. Where no process
+    can be started (no Python executable to run: an embedded interpreter), modules compile in this process, one
+    at a time."""
 
     def __init__(self, n):
         self.pool = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="jitllm-compile")
@@ -103,8 +106,12 @@ class Compilers:
     def _compile(job):
         proc = getattr(_local, "proc", None)
         if proc is None or proc.poll() is not None:
-            proc = _local.proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
-                                                  stdout=subprocess.PIPE)
+            try:
+                proc = _local.proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
+                                                      stdout=subprocess.PIPE)
+            except OSError:
+                with _in_process:
+                    return compile_object(*job)
         try:
             _send(proc.stdin, job)
             error = _receive(proc.stdout)
