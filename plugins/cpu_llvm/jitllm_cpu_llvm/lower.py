@@ -209,6 +209,7 @@ class KernelLowering:
         self.memo = {}  # IR node id -> VVal within one vector body (a block's bytes are loaded once)
         self.loaded = _loaded_buffers(kernel.body)  # stores to other buffers keep what memo holds
         self.read_sets = {}  # IR node id -> the buffers it loads from (`reads`)
+        self.vectorizable = {}  # IR node id -> (node, `vectorizable_expr`)
         self.tile_shape = None  # the tile configuration that the parallel iteration loaded (`parallel`)
         self.module = module
 
@@ -681,9 +682,14 @@ class KernelLowering:
 
     # ------------------------------------------------------------------ vector code
     def vectorizable_expr(self, e):
-        if isinstance(e, ir.Reduce):
-            return _unrolled(e) and self.vectorizable_expr(e.value)
-        return all(self.vectorizable_expr(c) for c in _children(e))
+        """Whether e (its structure alone) can be computed lane by lane, asked once per node: an expression shares
+        its subexpressions, and asking it of every path through them took a third of a prefill gemm's lowering."""
+        known = self.vectorizable.get(id(e))
+        if known is None:
+            ok = _unrolled(e) and self.vectorizable_expr(e.value) if isinstance(e, ir.Reduce) else \
+                all(self.vectorizable_expr(c) for c in _children(e))
+            known = self.vectorizable[id(e)] = (e, ok)  # (e kept: its id is not reused meanwhile)
+        return known[1]
 
     def vectorizable_body(self, body, guarded=False):
         """Lets (of lane values, or of reduces over a uniform loop whose values are), stores, and ifs of stores."""
@@ -1226,9 +1232,12 @@ def _table(e, k):
 
 def _loaded_buffers(body):
     """Names of the buffers that some expression of the statements reads."""
-    out = set()
+    out, seen = set(), set()
 
     def ex(e):
+        if id(e) in seen:  # (a shared subexpression: its loads are counted; the body holds every node meanwhile)
+            return
+        seen.add(id(e))
         if isinstance(e, ir.Load):
             out.add(e.buf)
         if isinstance(e, ir.Reduce):
