@@ -86,7 +86,7 @@ def compile_failed(device_name, e):
 
 # LLVM works in the caller's process on one thread of its own (llvmlite holds one lock around each of its calls):
 # it loads compiled code there; compile processes (compiler.Compilers) make the code, as many modules at once as
-# there are cores (up to 4: a cold start compiles the decode and prefill programs, and a tuning's variants)
+# there are cores, up to 4 (a cold start compiles a tuning's variants, then the kernels of prefill and decode)
 _LLVM = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jitllm-llvm")
 _COMPILERS = compiler.Compilers(max(1, min(4, os.cpu_count() or 1)))
 # every Compiled by its key, made once a process and kept for its life whatever becomes of its device: compiled code is
@@ -218,9 +218,10 @@ class CpuProgram(Program):
         stamps = bslot.setdefault(id(self.stamps), (len(bslot), self.stamps))[0] if timed else None
         kernels = [ln.kernel for ln in launches]
         self.kernel_code = {k.key(): device.kernel_code(k) for k in kernels}
-        named = {key: (k, self.kernel_code[key].symbol) for key, k in zip((k.key() for k in kernels), kernels)}
-        triple = host()[0]
-        key = digest(LOWERING, slots, stamps, sorted((key, name) for key, (_, name) in named.items()), triple)
+        named = {k.key(): (k, self.kernel_code[k.key()].symbol) for k in kernels}
+        triple, cpu, features, _ = host()
+        key = digest(LOWERING, slots, stamps, sorted((key, name) for key, (_, name) in named.items()), triple, cpu,
+                     features, llvmlite.__version__)
         self.compiled = device.compile(key, lambda: str(lower.program_module(slots, named, triple, stamps)),
                                        needs=self.kernel_code.values())
         self.step = None
