@@ -319,7 +319,7 @@ def test_cpu_llvm_compile_process_that_dies_is_an_error_naming_the_device(cpu, t
     raises an error naming the device and what happened, and the next module gets a process of its own; where no
     process can be started (no Python executable), modules compile in the engine's process."""
     from jitllm_core.errors import BackendError
-    from jitllm_cpu_llvm import compiler, runtime
+    from jitllm_cpu_llvm import compiler, lower, runtime
     monkeypatch.setenv("JITLLM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(runtime, "_COMPILERS", compiler.Compilers(1))
     step = "define void @jl_step(ptr, ptr, i32, i32, ptr, ptr) { ret void }"
@@ -334,6 +334,10 @@ def test_cpu_llvm_compile_process_that_dies_is_an_error_naming_the_device(cpu, t
                 assert compiled.wait()
         finally:
             del runtime._COMPILED[name]
+    # the object code not written (a full disk, a cache gone): the error says so, and the process goes on
+    with pytest.raises(RuntimeError, match="FileNotFoundError"):
+        runtime._COMPILERS.submit(step, lower.SUPPORT_IR, True, tmp_path / "gone" / "x.o").result()
+    assert runtime._COMPILERS.submit(step, lower.SUPPORT_IR, True, tmp_path / "x.o").result() is None
 
 
 def test_prefetch_is_a_hint_of_a_buffer_the_kernel_has():

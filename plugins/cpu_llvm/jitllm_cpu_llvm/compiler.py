@@ -1,5 +1,5 @@
-"""LLVM for this CPU: its target machine, -O3, and the compile of a program's module to object code -- which runs in
-processes of its own (`compile_object`), as many modules at once as the machine has cores to spare.
+"""LLVM for this CPU: its target machine, -O3, and the compile of a module (a kernel's or a program's step) to object
+code -- which runs in processes of its own (`compile_object`), as many modules at once as there are cores to spare.
 
 Why processes: llvmlite holds one lock around every call into LLVM, so threads compile one module at a time, and the
 machine scheduler is a process-wide option set per module. A process compiles one module at a time with its own
@@ -65,7 +65,7 @@ def machine_scheduler(on):
 
 
 def parsed(text, support, context=None):
-    """A program's module, parsed, linked with the support functions' IR (support) and verified."""
+    """A module's text parsed, linked with the support functions' IR (support) and verified."""
     mod = llvm.parse_assembly(text, context=context)
     mod.link_in(llvm.parse_assembly(support, context=context))
     mod.verify()
@@ -79,9 +79,10 @@ def compile_object(text, support, schedule, path):
     mod = parsed(text, support)
     optimize(mod)
     machine_scheduler(schedule)
-    engine = llvm.create_mcjit_compiler(mod, target_machine())
-    engine.set_object_cache(lambda _mod, buf: write_atomic(Path(path), buf), lambda _mod: None)
+    engine, made = llvm.create_mcjit_compiler(mod, target_machine()), []
+    engine.set_object_cache(lambda _mod, buf: made.append(buf), lambda _mod: None)
     engine.finalize_object()
+    write_atomic(Path(path), made[0])  # (not in the callback, whose errors ctypes would swallow)
 
 
 class Crashed(Exception):
@@ -130,14 +131,15 @@ def _send(f, obj):
 
 def _receive(f):
     head = f.read(8)
-    if len(head) < 8:
-        raise EOFError
-    return pickle.loads(f.read(struct.unpack("<Q", head)[0]))
+    data = f.read(struct.unpack("<Q", head)[0]) if len(head) == 8 else b""
+    if len(head) < 8 or len(data) < struct.unpack("<Q", head)[0]:
+        raise EOFError  # the other end is gone
+    return pickle.loads(data)
 
 
 def serve():
-    """A compile process: modules from stdin, each answered on stdout with None or LLVM's error; stdout is the
-    answers' alone (whatever else would print there goes to stderr)."""
+    """A compile process: modules from stdin, each answered on stdout with None or its error (LLVM's, or the
+    cache's: a full disk); stdout is the answers' alone (whatever else would print there goes to stderr)."""
     answers = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     requests = sys.stdin.buffer
@@ -149,8 +151,8 @@ def serve():
         try:
             compile_object(*job)
             _send(answers, None)
-        except RuntimeError as e:
-            _send(answers, str(e))
+        except Exception as e:  # noqa: BLE001 (any error is the module's answer; the process serves the next)
+            _send(answers, str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":
