@@ -64,19 +64,13 @@ def machine_scheduler(on):
     llvm.set_option("", f"-enable-misched={'true' if on else 'false'}")
 
 
-def parsed(text, support, context=None):
-    """A module's text parsed, linked with the support functions' IR (support) and verified."""
-    mod = llvm.parse_assembly(text, context=context)
-    mod.link_in(llvm.parse_assembly(support, context=context))
-    mod.verify()
-    return mod
-
-
 def compile_object(text, support, schedule, path):
     """In a compile process: the module's object code for this CPU as MCJIT makes it, written to `path` (whole or
     not at all: a reader never sees half of it). LLVM's parse, verify and code generation errors are raised as
     RuntimeError."""
-    mod = parsed(text, support)
+    mod = llvm.parse_assembly(text)
+    mod.link_in(llvm.parse_assembly(support))  # the support functions' IR
+    mod.verify()
     optimize(mod)
     machine_scheduler(schedule)
     engine, made = llvm.create_mcjit_compiler(mod, target_machine()), []
@@ -116,7 +110,7 @@ class Compilers:
         try:
             _send(proc.stdin, job)
             error = _receive(proc.stdout)
-        except (OSError, EOFError, struct.error) as e:
+        except (OSError, EOFError) as e:
             proc.kill()
             raise Crashed(f"the compile process ended (exit status {proc.wait()})") from e
         if error is not None:
@@ -131,8 +125,9 @@ def _send(f, obj):
 
 def _receive(f):
     head = f.read(8)
-    data = f.read(struct.unpack("<Q", head)[0]) if len(head) == 8 else b""
-    if len(head) < 8 or len(data) < struct.unpack("<Q", head)[0]:
+    n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+    data = f.read(n) if n >= 0 else b""
+    if len(data) != n:
         raise EOFError  # the other end is gone
     return pickle.loads(data)
 
