@@ -14,6 +14,7 @@ speaks for them).
 from __future__ import annotations
 
 import itertools
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,10 @@ from .plugin import Launch
 
 ROTATION_BYTES = 64 << 20  # the copies of a kernel's streamed buffer one measured run reads: past the caches
 ROUNDS = 15  # each candidate's runs, alternated (a run streams 64 MB: 2-3 ms; a noisy moment must not decide)
+# but no more rounds than fit in BUDGET_S once each candidate has run MIN_ROUNDS times: where memory is slow (a
+# shared Xeon's 64 MB at 5 GB/s: 13 ms a run), 15 rounds of 4 candidates took 0.6-1.1 s a tag, a fifth of the cold
+# start; a longer run is less at the mercy of a brief pause anyway
+BUDGET_S, MIN_ROUNDS = 0.3, 5
 # the least a candidate's best run must beat the default's by to replace it: candidates within the noise of one
 # another (a Zen 5's R4 matvecs on two threads: 1.26-1.38 ms for all three prefetches, their order changing from
 # one measurement to the next) keep the default, chosen by measuring whole steps (docs/benchmarks.md)
@@ -91,11 +96,15 @@ class _Probe:
             self.programs.append(dev.program(launches))
 
     def fastest(self):
-        """Index of the fastest variant (`choose`): each one's best of ROUNDS runs, the variants alternated."""
+        """Index of the fastest variant (`choose`): each one's best of ROUNDS runs (or of those that fit in
+        BUDGET_S, at least MIN_ROUNDS), the variants alternated."""
         for prog in self.programs:
             prog.run(self.k.tune_scalars)  # compiled and warm
         times = [[] for _ in self.programs]
-        for _ in range(ROUNDS):
+        until = time.perf_counter() + BUDGET_S
+        for r in range(ROUNDS):
+            if r >= MIN_ROUNDS and time.perf_counter() > until:
+                break
             for prog, t in zip(self.programs, times):
                 t.append(seconds(lambda: prog.run(self.k.tune_scalars)))
         return choose([min(t) for t in times])
