@@ -100,13 +100,14 @@ class _Cursor:
         return s
 
     def strings(self, n, what):
-        """n strings in a row (a vocabulary, its merges: ~100 k of them), in a loop of locals: `string` for each
-        took a third of a second."""
+        """n strings in a row (a vocabulary and its merges: ~100 k), read in a loop of locals: a `string` call for
+        each made SmolLM2's header take 0.22 s instead of 0.12."""
         buf, pos, size, out = self.buf, self.pos, self.size, []
         for _ in range(n):
-            if size - pos < 8 or size - pos - 8 < (m := _U64.unpack_from(buf, pos)[0]):
+            m = _U64.unpack_from(buf, pos)[0] if size - pos >= 8 else size  # (no room for the length: fails below)
+            if m > size - pos - 8:
                 self.pos = pos
-                self.string(what)  # fails, naming what is cut short
+                self.string(what)  # raises, naming what is cut short
             out.append(buf[pos + 8:pos + 8 + m].decode("utf-8", errors="replace"))
             pos += 8 + m
         self.pos = pos
