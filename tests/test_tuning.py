@@ -90,6 +90,22 @@ def test_tuning_streams_the_weights_not_a_larger_input(cpu):
         probe.free()
 
 
+def test_tuning_measures_within_its_budget_but_never_fewer_than_min_rounds(cpu, monkeypatch):
+    """Where runs are slow the measurement stops once BUDGET_S has passed, each candidate having run MIN_ROUNDS
+    times; where they are fast all ROUNDS fit."""
+    probe = tuning._Probe(cpu, matvec(), [{"prefetch": ()}, {"prefetch": cpu.tunables["prefetch"][0]}])
+    runs, timed = [], tuning.seconds
+    monkeypatch.setattr(tuning, "seconds", lambda fn: runs.append(fn) or timed(fn))
+    try:
+        for budget, rounds in ((0.0, tuning.MIN_ROUNDS), (1e9, tuning.ROUNDS)):
+            monkeypatch.setattr(tuning, "BUDGET_S", budget)
+            runs.clear()
+            probe.fastest()
+            assert len(runs) == 2 * rounds
+    finally:
+        probe.free()
+
+
 def test_tuning_without_room_keeps_the_defaults_uncached(fresh_cache):
     dev = runtime.CpuDevice("cpu:small", 1, 4 << 20)  # 4 MB: no room for the rotated copies
     tuning.tune(dev, [matvec()])

@@ -79,6 +79,16 @@ def compile_object(text, support, schedule, path):
     write_atomic(Path(path), made[0])  # (not in the callback, whose errors ctypes would swallow)
 
 
+def outcome(job):
+    """`compile_object(*job)`'s outcome as a compile process answers it: None, or its error's text (LLVM's, or the
+    cache's: a full disk) -- the same wherever the module compiled."""
+    try:
+        compile_object(*job)
+    except Exception as e:  # noqa: BLE001 (any error is the module's answer; the process serves the next)
+        return str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}"
+    return None
+
+
 class Crashed(Exception):
     """A compile process ended without an answer (LLVM aborted on the module, or the process was killed)."""
 
@@ -105,14 +115,17 @@ class Compilers:
                 proc = _local.proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
                                                       stdout=subprocess.PIPE)
             except OSError:
-                with _in_process:
-                    return compile_object(*job)
-        try:
-            _send(proc.stdin, job)
-            error = _receive(proc.stdout)
-        except (OSError, EOFError) as e:
-            proc.kill()
-            raise Crashed(f"the compile process ended (exit status {proc.wait()})") from e
+                proc = None
+        if proc is None:
+            with _in_process:
+                error = outcome(job)
+        else:
+            try:
+                _send(proc.stdin, job)
+                error = _receive(proc.stdout)
+            except (OSError, EOFError) as e:
+                proc.kill()
+                raise Crashed(f"the compile process ended (exit status {proc.wait()})") from e
         if error is not None:
             raise RuntimeError(error)
 
@@ -143,11 +156,7 @@ def serve():
             job = _receive(requests)
         except EOFError:  # the engine's process is gone
             return
-        try:
-            compile_object(*job)
-            _send(answers, None)
-        except Exception as e:  # noqa: BLE001 (any error is the module's answer; the process serves the next)
-            _send(answers, str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}")
+        _send(answers, outcome(job))
 
 
 if __name__ == "__main__":
