@@ -298,13 +298,46 @@ def test_cpu_ops_match_interpreter(cpu, op):
     assert_matches_interpreter(cpu, k, op_inputs(k), scalars, rtol=1e-4, atol=1e-4)
 
 
+def test_cpu_programs_compile_no_code_of_their_own(cpu):
+    """A CPU program is a table its kernels' entries are walked by (lower.RUNNER_IR): programs of the same kernels in
+    other orders, on other buffers, timed or not, add no compiled module once the kernels' code exists -- and run
+    each launch on its own buffers and scalars, in order, a barrier after those a later one reads."""
+    from jitllm_core.plugin import Launch
+    from jitllm_cpu_llvm import runtime
+
+    def scaled(c):  # y[i] = x[i] * c + b
+        k = ir.Kernel(f"scaled_{c}")
+        k.buffer("x", "f32", 64), k.buffer("y", "f32", 64, True)
+        b = k.scalar("b")
+        with k.parallel("i", 64) as i:
+            k.store("y", i, k.load("x", i) * c + ir.f32(b))
+        return k.finish()
+
+    two, three = scaled(2.0), scaled(3.0)
+    x = np.arange(64, dtype=np.float32)
+    bufs = {n: cpu.alloc(256) for n in "xyz"}
+    cpu.upload(bufs["x"], x)
+    cpu.program([Launch(two, {"x": bufs["x"], "y": bufs["y"]})]).ready()
+    cpu.program([Launch(three, {"x": bufs["x"], "y": bufs["y"]})]).ready()
+    before = set(runtime._COMPILED)
+    chain = [Launch(three, {"x": bufs["x"], "y": bufs["z"]}, {"b": "b1"}),
+             Launch(two, {"x": bufs["z"], "y": bufs["y"]}, {"b": "b2"})]
+    cpu.program(chain).run({"b1": 1, "b2": 5})
+    np.testing.assert_array_equal(cpu.download(bufs["y"]).view(np.float32), (x * 3 + 1) * 2 + 5)
+    seconds = cpu.timed_program(chain[::-1]).run({"b1": 0, "b2": 0})  # y from the z above, then z anew
+    assert len(seconds) == 2 and min(seconds) >= 0
+    np.testing.assert_array_equal(cpu.download(bufs["y"]).view(np.float32), (x * 3 + 1) * 2)
+    np.testing.assert_array_equal(cpu.download(bufs["z"]).view(np.float32), x * 3)
+    assert set(runtime._COMPILED) == before, "a program compiled code of its own"
+
+
 def test_cpu_llvm_compile_error_names_the_device(cpu, tmp_path, monkeypatch):
     """A module LLVM refuses (compiled by a compile process, while the caller goes on): a clear error when it is
     waited for (a program's ready(), as the engine calls it before running programs), and again at each wait."""
     from jitllm_core.errors import BackendError
     from jitllm_cpu_llvm import runtime
     monkeypatch.setenv("JITLLM_CACHE_DIR", str(tmp_path))
-    compiled = cpu.compile("not-a-module", lambda: "define void @jl_step( {")
+    compiled = cpu.compile("not-a-module", lambda: "define void @jl_step( {", "jl_step")
     try:
         with pytest.raises(BackendError, match=rf"{cpu.name}: LLVM compile failed"):
             compiled.wait()
@@ -325,7 +358,7 @@ def test_cpu_llvm_compile_process_that_dies_is_an_error_naming_the_device(cpu, t
     step = "define void @jl_step(ptr, ptr, i32, i32, ptr, ptr) { ret void }"
     for name, python in (("dies", "/bin/false"), ("here", tmp_path / "none"), ("lives", compiler.sys.executable)):
         monkeypatch.setattr(compiler.sys, "executable", str(python))  # /bin/false: a "compiler" that exits at once
-        compiled = cpu.compile(name, lambda: step)
+        compiled = cpu.compile(name, lambda: step, "jl_step")
         try:
             if name == "dies":
                 with pytest.raises(BackendError, match=rf"{cpu.name}: LLVM compile failed: the compile process ended"):

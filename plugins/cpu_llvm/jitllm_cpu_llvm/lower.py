@@ -18,10 +18,10 @@ sum of `dot4`s accumulates each into the sum so far (VNNI's vpdpbusd; where the 
 provably small, pmaddubsw's pair sums add up as i16 as far as their bound allows, then widen once). Weights streamed
 from memory are prefetched a few KB ahead (into L1) and further (non-temporally), once per cache line, where the
 device's tuning keeps it (CpuDevice.tunables).
-Each kernel is a module of its own (`kernel_module`), compiled once for every program that launches it; a program's
-module (`program_module`) holds `step(ptr bufs, ptr scalars, tid, nth, barrier, counters)` that calls every launch's
-kernel in order (through functions of STEP_PART launches each) with a barrier after each that a later launch
-depends on.
+Each kernel is a module of its own (`kernel_module`), compiled once for every program that launches it, with an entry
+that takes its buffers and scalars from a program's slots. A program is data, not code: a table of its launches
+(entry, slots, claim counters, a barrier after it or not) that `jl_run` (RUNNER_IR, compiled once) walks, calling
+each entry in turn -- so that making a program compiles nothing (a 1B model's prefill step: 5,888 launches).
 """
 from __future__ import annotations
 
@@ -57,7 +57,6 @@ PREFETCH_DEEP = ((4096, 3), (16384, 1), (32768, 1))
 # not stay in the caches): SmolLM2's 69-207 KB projections too, whose threads' short streams the hardware's
 # prefetcher barely starts on (two threads' decode +2-6 %, one thread's unchanged: docs/benchmarks.md)
 PREFETCH_MIN = 32 << 10
-STEP_PART = 64  # launches per function of a program's step
 CLAIMS = 4  # chunks per thread of a parallel loop's claimed half
 # the least a claimed chunk streams of a loop's weights (its ir.WEIGHTS buffer): a chunk starts a new stream, whose
 # first lines wait on DRAM before its prefetches run ahead. SmolLM2's matvecs (its chunks were 35 KB) on a Zen 5's
@@ -123,6 +122,70 @@ yield:
   %y = call i32 @sched_yield()
   br label %spin
 done:
+  ret void
+}
+"""
+# `jl_run(table, bufs, scalars, tid, nth, barrier, counters)`: a program's launches, as every thread runs them. The
+# table (i64s): the launches' count, the timestamps (a timed program's, else null), the claim counters' bytes, then
+# per launch its entry, its slots (i32 buffer and scalar slots, in the kernel's parameter order), the offset of its
+# claim counters (i32s: CLAIM_STRIDE apart, each launch's own, all zero when a step starts) and whether a barrier
+# follows it. Thread 0 zeroes the counters once the last barrier is passed. A timed program's thread 0 stamps the
+# time once every thread is in (the first launch is not charged their wake-up), then after each launch's barrier.
+RUNNER_IR = """
+declare void @jl_barrier(ptr, i32)
+declare void @jl_stamp(ptr, i32, i32)
+declare void @llvm.memset.p0.i64(ptr, i8, i64, i1)
+define void @jl_run(ptr %table, ptr %bufs, ptr %scal, i32 %tid, i32 %nth, ptr %bar, ptr %counters) {
+entry:
+  %n = load i64, ptr %table, align 8
+  %tsp = getelementptr i64, ptr %table, i64 1
+  %ts = load ptr, ptr %tsp, align 8
+  %cbp = getelementptr i64, ptr %table, i64 2
+  %cb = load i64, ptr %cbp, align 8
+  %timed = icmp ne ptr %ts, null
+  br i1 %timed, label %first, label %head
+first:
+  call void @jl_barrier(ptr %bar, i32 %nth)
+  call void @jl_stamp(ptr %ts, i32 0, i32 %tid)
+  br label %head
+head:
+  %i = phi i64 [0, %entry], [0, %first], [%i1, %next]
+  %more = icmp slt i64 %i, %n
+  br i1 %more, label %launch, label %done
+launch:
+  %at = mul i64 %i, 4
+  %at3 = add i64 %at, 3
+  %rec = getelementptr i64, ptr %table, i64 %at3
+  %fn = load ptr, ptr %rec, align 8
+  %slp = getelementptr i64, ptr %rec, i64 1
+  %slots = load ptr, ptr %slp, align 8
+  %cop = getelementptr i64, ptr %rec, i64 2
+  %coff = load i64, ptr %cop, align 8
+  %syp = getelementptr i64, ptr %rec, i64 3
+  %sync = load i64, ptr %syp, align 8
+  %mine = getelementptr i32, ptr %counters, i64 %coff
+  call void %fn(ptr %bufs, ptr %scal, ptr %slots, i32 %tid, i32 %nth, ptr %bar, ptr %mine)
+  %i1 = add i64 %i, 1
+  %wait = icmp ne i64 %sync, 0
+  br i1 %wait, label %barrier, label %stamp
+barrier:
+  call void @jl_barrier(ptr %bar, i32 %nth)
+  br label %stamp
+stamp:
+  br i1 %timed, label %note, label %next
+note:
+  %i32 = trunc i64 %i1 to i32
+  call void @jl_stamp(ptr %ts, i32 %i32, i32 %tid)
+  br label %next
+next:
+  br label %head
+done:
+  %zero = icmp eq i32 %tid, 0
+  br i1 %zero, label %clear, label %out
+clear:
+  call void @llvm.memset.p0.i64(ptr %counters, i8 0, i64 %cb, i1 false)
+  br label %out
+out:
   ret void
 }
 """
@@ -1505,6 +1568,10 @@ def has_vnni(n, isa):
     return n == 16 and "avx512vnni" in isa or n == 8 and ("avxvnni" in isa or {"avx512vnni", "avx512vl"} <= isa)
 
 
+# a kernel's entry (kernel_module), as jl_run calls it: bufs, scalars, slots, tid, nth, barrier, counters
+ENTRY = L.FunctionType(VOID, [PTR, PTR, PTR, I32, I32, PTR, PTR])
+
+
 def kernel_type(kernel) -> L.FunctionType:
     """A kernel's function: its buffers, its scalars, then tid, nth, the barrier and its claim counters."""
     return L.FunctionType(VOID, [PTR] * len(kernel.buffers) + [I32] * len(kernel.scalars) + [I32, I32, PTR, PTR])
@@ -1520,57 +1587,18 @@ def _module(name, triple):
 
 
 def kernel_module(kernel, name, width, triple, isa=frozenset(), options=None) -> L.Module:
-    """Kernel `kernel` alone, as function `name` for `width` lanes and instructions `isa`; options: its tuned lowering
-    options (CpuDevice.tune), if any."""
+    """Kernel `kernel` alone for `width` lanes and instructions `isa`, called by its entry `name` (ENTRY: a program's
+    buffers and scalars, the launch's slots of them, tid, nth, the barrier and the launch's claim counters); options:
+    its tuned lowering options (CpuDevice.tune), if any."""
     m = _module(name, triple)
-    KernelLowering(m, kernel, width, isa, options, name).lower()
-    return m
-
-
-def program_module(launch_slots, kernels, triple, stamps=None) -> L.Module:
-    """One program: `step`, which calls the launches in order, and the barrier.
-
-    launch_slots: list of (kernel key, [buffer slot per buffer param], [scalar slot per scalar param],
-    barrier after this launch?). The last launch is always followed by a barrier. kernels: kernel key -> (the kernel,
-    the name of its function, defined by its own module). Each launch's parallel loops claim work from counters of
-    their own (CLAIM_STRIDE i32s apart, all of them zero when a step starts), which thread 0 zeroes again once the
-    step's final barrier is passed. stamps: the buffer slot of a timed program's timestamps (i64 ns; [0] once every
-    thread has started, [i + 1] after launch i's barrier), else None.
-    """
-    m = _module("jitllm_program", triple)
-    barrier, stamp = m.get_global("jl_barrier"), m.get_global("jl_stamp")
-    fns = {key: L.Function(m, kernel_type(k), name=name) for key, (k, name) in kernels.items()}
-    claims = {key: claim_counters(k) for key, (k, _) in kernels.items()}
-    sig = L.FunctionType(VOID, [PTR, PTR, I32, I32, PTR, PTR])
-    step = L.Function(m, sig, name="jl_step")
-    sb = L.IRBuilder(step.append_basic_block("entry"))
-    # the launches go in parts of STEP_PART, each its own function: code generation of one function of
-    # thousands of calls (a 1B model's prefill step: 5,888 launches) took a minute, that of the parts seconds
-    counter = 0
-    for p0 in range(0, len(launch_slots), STEP_PART):
-        part = L.Function(m, sig, name=f"jl_part{p0 // STEP_PART}")
-        part.attributes.add("noinline")
-        bufs, scal, tid, nth, bar, counters = part.args
-        b = L.IRBuilder(part.append_basic_block("entry"))
-        ts = None if stamps is None else b.load(b.gep(bufs, [L.Constant(I32, stamps)], source_etype=PTR), typ=PTR)
-        if ts is not None and p0 == 0:  # once every thread is in: the first launch is not charged their wake-up
-            b.call(barrier, [bar, nth])
-            b.call(stamp, [ts, L.Constant(I32, 0), tid])
-        for i, (key, bslots, sslots, sync) in enumerate(launch_slots[p0:p0 + STEP_PART], p0):
-            args = [b.load(b.gep(bufs, [L.Constant(I32, s)], source_etype=PTR), typ=PTR) for s in bslots]
-            args += [b.load(b.gep(scal, [L.Constant(I32, s)], source_etype=I32), typ=I32) for s in sslots]
-            mine = b.gep(counters, [L.Constant(I32, counter * CLAIM_STRIDE)], source_etype=I32)
-            b.call(fns[key], args + [tid, nth, bar, mine])
-            counter += claims[key]
-            if sync or i == len(launch_slots) - 1:
-                b.call(barrier, [bar, nth])
-            if ts is not None:
-                b.call(stamp, [ts, L.Constant(I32, i + 1), tid])
-        b.ret_void()
-        sb.call(part, list(step.args))
-    tid, counters = step.args[2], step.args[5]
-    with sb.if_then(sb.icmp_signed("==", tid, L.Constant(I32, 0))):
-        memset = L.Function(m, L.FunctionType(VOID, [PTR, I8, I64, I1]), name="llvm.memset.p0.i64")
-        sb.call(memset, [counters, L.Constant(I8, 0), L.Constant(I64, counter * CLAIM_STRIDE * 4), L.Constant(I1, 0)])
-    sb.ret_void()
+    fn = KernelLowering(m, kernel, width, isa, options, f"{name}_kernel").lower()
+    entry = L.Function(m, ENTRY, name=name)
+    bufs, scal, slots, tid, nth, bar, counters = entry.args
+    b = L.IRBuilder(entry.append_basic_block("entry"))
+    slot = lambda i: b.load(b.gep(slots, [L.Constant(I32, i)], source_etype=I32), typ=I32)
+    nb = len(kernel.buffers)
+    args = [b.load(b.gep(bufs, [slot(i)], source_etype=PTR), typ=PTR) for i in range(nb)]
+    args += [b.load(b.gep(scal, [slot(nb + i)], source_etype=I32), typ=I32) for i in range(len(kernel.scalars))]
+    b.call(fn, args + [tid, nth, bar, counters])
+    b.ret_void()
     return m

@@ -1,9 +1,9 @@
 """CPU devices: memory arenas, JIT compilation (cached on disk) and threads that run whole-step programs.
 
-A program is one native function `jl_step(bufs, scalars, tid, nth, barrier, counters)`; every thread of the device
-calls it with its own tid, a native barrier separates launches, and the program's counters are where its parallel
-loops claim work. The calling thread is thread 0, so one step costs
-one ctypes call plus one wake-up of the workers.
+A program is a table of its launches that one native function, `jl_run(table, bufs, scalars, tid, nth, barrier,
+counters)`, walks: every thread of the device calls it with its own tid, each launch's kernel entry in turn, a
+native barrier between launches where one depends on another, and the program's counters are where its parallel
+loops claim work. The calling thread is thread 0, so one step costs one ctypes call plus one wake-up of the workers.
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ from jitllm_core.plugin import BackendUnavailable, Buffer, Caps, Device, Program
 from . import compiler, emulation, lower
 from .compiler import host, machine_scheduler, optimize, target_machine  # noqa: F401 (the device's LLVM)
 
-STEP = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p,
-                        ctypes.c_void_p)
+RUN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
+                       ctypes.c_void_p, ctypes.c_void_p)  # lower.RUNNER_IR's jl_run
 LOWERING = digest(*(Path(m.__file__).read_bytes() for m in (lower, compiler)), Path(__file__).read_bytes())
 # (code is as new as its compiler)
 
@@ -101,15 +101,14 @@ class Compiled:
     module is made of: the kernel or the launches, this lowering's source, the CPU), so that a warm start neither
     lowers nor compiles. Not cached: lowered to LLVM IR text on the caller's thread, compiled by a compile process
     into the cache, and loaded from there as a warm start loads it; `wait` waits for it. symbol: the function it
-    is called by; needs: the Compileds of the functions it calls (a program's kernels), loaded before it."""
+    is called by."""
 
-    def __init__(self, key: str, text_fn, device_name="cpu", schedule=True, symbol="jl_step", needs=()):
+    def __init__(self, key: str, text_fn, device_name, schedule, symbol):
         self.path, self.device_name, self.schedule = cache_dir("cpu") / f"{key}.o", device_name, schedule
-        self.symbol, self.needs = symbol, list(needs)
+        self.symbol = symbol
         self._lock, self._text_fn = threading.Lock(), text_fn
         self._address = self._compiling = None
-        if self.path.exists() and all(n._address for n in self.needs):  # (else loaded once they are)
-            self._link()
+        if self.path.exists():
             self._address = self._load()  # (None: unreadable, compiled anew)
         if not self._address and not self.path.exists():
             self._submit()
@@ -118,7 +117,6 @@ class Compiled:
         """The address of the compiled function, once LLVM is done (its error raised as a BackendError)."""
         with self._lock:
             if not self._address:
-                self._link()
                 self._join()
                 self._address = self._load()
                 if not self._address:  # a cached object that would not load: compiled anew
@@ -139,11 +137,6 @@ class Compiled:
                 self._compiling.result()
             except (RuntimeError, compiler.Crashed) as e:
                 raise compile_failed(self.device_name, e) from None
-
-    def _link(self):
-        """Make the functions this module calls known by their names (LLVM resolves them as it loads it)."""
-        for n in self.needs:
-            llvm.add_symbol(n.symbol, n.wait())
 
     def _load(self):
         """The function's address in the object code in the cache, loaded on LLVM's thread (None: none to be had)."""
@@ -177,15 +170,15 @@ class Workers:
     def _loop(self, tid):
         while True:
             self.go[tid - 1].acquire()
-            fn, bufs, scal, counters = self.job
-            fn(bufs, scal, tid, self.nth, ctypes.addressof(self.bar), counters)
+            run, table, bufs, scal, counters = self.job
+            run(table, bufs, scal, tid, self.nth, ctypes.addressof(self.bar), counters)
 
-    def run(self, fn, bufs, scal, counters):
+    def run(self, run, table, bufs, scal, counters):
         with self.lock:
-            self.job = (fn, bufs, scal, counters)
+            self.job = (run, table, bufs, scal, counters)
             for s in self.go:
                 s.release()
-            fn(bufs, scal, 0, self.nth, ctypes.addressof(self.bar), counters)  # returns after the final barrier
+            run(table, bufs, scal, 0, self.nth, ctypes.addressof(self.bar), counters)  # returns after the final barrier
 
 
 class CpuBuffer(Buffer):
@@ -202,47 +195,50 @@ class CpuBuffer(Buffer):
 
 class CpuProgram(Program):
     """timed: a barrier after every launch, and thread 0 notes the time after each (run returns the launches'
-    seconds), so that a profile sees each launch as it runs in the step, weights coming from memory."""
+    seconds), so that a profile sees each launch as it runs in the step, weights coming from memory. Making one
+    compiles no code of its own: its table (lower.RUNNER_IR) names the entries of its kernels' code."""
 
     def __init__(self, device, launches, timed=False):
         self.device = device
         bslot, sslot, slots = {}, {}, []
         for ln in launches:
             bufs = [ln.buffer(p, device) for p in ln.kernel.buffers]
-            bs = [bslot.setdefault(id(b), (len(bslot), b))[0] for b in bufs]
-            ss = [sslot.setdefault(ln.scalar_name(s), len(sslot)) for s in ln.kernel.scalars]
-            slots.append([ln.kernel.key(), bs, ss, timed])
-        for i in barriers_needed(launches):
-            slots[i][3] = True
+            slots.append([bslot.setdefault(id(b), (len(bslot), b))[0] for b in bufs]
+                         + [sslot.setdefault(ln.scalar_name(s), len(sslot)) for s in ln.kernel.scalars])
+        self.slots = [(ctypes.c_int32 * max(1, len(s)))(*s) for s in slots]
+        barriers = set(barriers_needed(launches)) | {len(launches) - 1}
         self.stamps = CpuBuffer(device, 8 * (len(launches) + 1)) if timed else None
-        stamps = bslot.setdefault(id(self.stamps), (len(bslot), self.stamps))[0] if timed else None
-        kernels = [ln.kernel for ln in launches]
-        self.kernel_code = {k.key(): device.kernel_code(k) for k in kernels}
-        named = {k.key(): (k, self.kernel_code[k.key()].symbol) for k in kernels}
-        triple, cpu, features, _ = host()
-        key = digest(LOWERING, slots, stamps, sorted((key, name) for key, (_, name) in named.items()), triple, cpu,
-                     features, llvmlite.__version__)
-        self.compiled = device.compile(key, lambda: str(lower.program_module(slots, named, triple, stamps)),
-                                       needs=self.kernel_code.values())
-        self.step = None
+        self.code = [device.kernel_code(ln.kernel) for ln in launches]
+        self.kernel_code = {ln.kernel.key(): code for ln, code in zip(launches, self.code)}
+        self.runner = device.compile(digest(LOWERING, "jl_run", host()[:3], llvmlite.__version__),
+                                     lambda: f'target triple = "{host()[0]}"\n{lower.RUNNER_IR}', "jl_run")
+        claims = [lower.claim_counters(ln.kernel) * lower.CLAIM_STRIDE for ln in launches]
+        self.table = (ctypes.c_int64 * (3 + 4 * len(launches)))(
+            len(launches), self.stamps.addr if timed else 0, 4 * max(1, sum(claims)))
+        for i, (s, offset) in enumerate(zip(self.slots, np.cumsum([0] + claims[:-1]))):
+            self.table[4 + 4 * i:7 + 4 * i] = [ctypes.addressof(s), int(offset), int(timed or i in barriers)]
+        self.run_fn = None
         self.scalar_slots = sslot
         self.keep = [b for _, b in bslot.values()]
         self.bufs = (ctypes.c_void_p * max(1, len(bslot)))(*[b.addr for _, b in sorted(bslot.values(), key=lambda t: t[0])])
         self.scal = (ctypes.c_int32 * max(1, len(sslot)))()
-        self.counters = CpuBuffer(device, 4 * lower.CLAIM_STRIDE * max(1, sum(map(lower.claim_counters, kernels))))
+        self.counters = CpuBuffer(device, self.table[2])
 
     def ready(self):
-        self._step()
+        self._run_fn()
 
-    def _step(self):
-        self.step = STEP(self.compiled.wait())
-        return self.step
+    def _run_fn(self):
+        """jl_run, once every launch's entry is in the table (the kernels' code compiled or loaded)."""
+        for i, code in enumerate(self.code):
+            self.table[3 + 4 * i] = code.wait()
+        self.run_fn = RUN(self.runner.wait())
+        return self.run_fn
 
     def run(self, values):
         for name, i in self.scalar_slots.items():
             self.scal[i] = int(values[name])
-        self.device.workers.run(self.step or self._step(), ctypes.addressof(self.bufs), ctypes.addressof(self.scal),
-                                self.counters.addr)
+        self.device.workers.run(self.run_fn or self._run_fn(), ctypes.addressof(self.table),
+                                ctypes.addressof(self.bufs), ctypes.addressof(self.scal), self.counters.addr)
         if self.stamps is not None:
             return list(np.diff(self.stamps.arr.view(np.int64)) * 1e-9)
 
@@ -351,14 +347,15 @@ class CpuDevice(Device):
                      llvmlite.__version__, sorted((options or {}).items()), schedule)
         name = f"k_{k.name}_{key}"
         return self.compile(key, lambda: self.made_runnable(str(lower.kernel_module(
-            k, name, self.width, triple, self.instructions, options))), schedule, name)
+            k, name, self.width, triple, self.instructions, options))), name, schedule)
 
-    def compile(self, key, text_fn, schedule=True, symbol="jl_step", needs=()):
-        """The Compiled of module text_fn() (its key: what it is made of), made once a process."""
+    def compile(self, key, text_fn, symbol, schedule=True):
+        """The Compiled of module text_fn() (its key: what it is made of), made once a process; symbol: the
+        function it is called by."""
         with _COMPILED_LOCK:
             if key not in _COMPILED:
                 try:
-                    _COMPILED[key] = Compiled(key, text_fn, self.name, schedule, symbol, needs)
+                    _COMPILED[key] = Compiled(key, text_fn, self.name, schedule, symbol)
                 except RuntimeError as e:  # loading the cached code
                     raise compile_failed(self.name, e) from None
             return _COMPILED[key]
