@@ -46,9 +46,10 @@ LANE_BLOCK = 256  # iterations of a reduce across lanes summed before joining it
 # levels, 1 into L2 and out, 0 non-temporal: x86's prefetchnta). Measured on a Zen 5, engines alternated in one
 # process: the far prefetch non-temporal at 10 KB against into L2 at 16 KB, one thread's 1B decode 38.0 -> 46.6
 # tok/s, SmolLM2's 306 -> 327 (two threads 334 -> 381); into L2 at 6-12 KB, or non-temporal alone, in between
-PREFETCH = ((4096, 3), (10240, 0))  # (distance, locality); the device's default, which it tunes per kernel tag
-# (CpuDevice.tunables) among these, the earlier default (the far prefetch into L2, so that the near one's L1 fill
-# waits on L2, not DRAM: what an Ice Lake and an Emerald Rapids were measured with), a deeper one and none
+PREFETCH = ((4096, 3), (10240, 0))  # (distance, locality); untuned kernels' (a prefill gemm's); decode matvecs'
+# are tuned per kernel tag (CpuDevice.tunables, PREFETCH_DEEP unless another measures faster) among this, the earlier
+# default (the far prefetch into L2, so that the near one's L1 fill waits on L2, not DRAM: what an Ice Lake and an
+# Emerald Rapids were measured with), a deeper one and none
 PREFETCH_L2 = ((4096, 3), (16384, 1))
 # and a third distance, 32 KB into L2: on a Zen 5 host busy enough that one thread read 26 GB/s (40 before), the
 # 1B shape's decode 23.6 -> 29.1 tok/s on one thread, 30.7 -> 37.0 on two, against PREFETCH_L2 (ab_decode.py, 5 rounds)
