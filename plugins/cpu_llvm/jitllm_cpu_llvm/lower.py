@@ -70,7 +70,7 @@ LINE = 64  # bytes of a cache line
 PREFETCHED = "prefetched"  # memo entry: the cache lines a body has prefetched, one set for all its vectors
 LANE0 = "first lane"  # venv entry (no IR name has a space): the vector's first lane within the loop's iteration
 
-# what every program links in: the barrier, and the timestamp a timed program's thread 0 takes after each launch
+# what every module links in: the barrier, and the timestamp a timed program's thread 0 takes after each launch
 SUPPORT_IR = """
 declare i32 @sched_yield()
 declare i32 @clock_gettime(i32, ptr)
@@ -1578,20 +1578,13 @@ def kernel_type(kernel) -> L.FunctionType:
     return L.FunctionType(VOID, [PTR] * len(kernel.buffers) + [I32] * len(kernel.scalars) + [I32, I32, PTR, PTR])
 
 
-def _module(name, triple):
-    """A module that calls `jl_barrier` and `jl_stamp` (defined by SUPPORT_IR, linked in as it is compiled)."""
-    m = L.Module(name=name)
-    m.triple = triple
-    L.Function(m, L.FunctionType(VOID, [PTR, I32]), name="jl_barrier")
-    L.Function(m, L.FunctionType(VOID, [PTR, I32, I32]), name="jl_stamp")
-    return m
-
-
 def kernel_module(kernel, name, width, triple, isa=frozenset(), options=None) -> L.Module:
     """Kernel `kernel` alone for `width` lanes and instructions `isa`, called by its entry `name` (ENTRY: a program's
     buffers and scalars, the launch's slots of them, tid, nth, the barrier and the launch's claim counters); options:
     its tuned lowering options (CpuDevice.tune), if any."""
-    m = _module(name, triple)
+    m = L.Module(name=name)
+    m.triple = triple
+    L.Function(m, L.FunctionType(VOID, [PTR, I32]), name="jl_barrier")  # SUPPORT_IR's, linked in as it is compiled
     fn = KernelLowering(m, kernel, width, isa, options, f"{name}_kernel").lower()
     entry = L.Function(m, ENTRY, name=name)
     bufs, scal, slots, tid, nth, bar, counters = entry.args

@@ -97,8 +97,8 @@ _COMPILED_LOCK = threading.Lock()
 
 
 class Compiled:
-    """A JIT-compiled module -- a kernel's or a program's -- its object code cached on disk under `key` (what the
-    module is made of: the kernel or the launches, this lowering's source, the CPU), so that a warm start neither
+    """A JIT-compiled module -- a kernel's, or the programs' runner -- its object code cached on disk under `key` (what
+    the module is made of: the kernel, this lowering's source, the CPU), so that a warm start neither
     lowers nor compiles. Not cached: lowered to LLVM IR text on the caller's thread, compiled by a compile process
     into the cache, and loaded from there as a warm start loads it; `wait` waits for it. symbol: the function it
     is called by."""
