@@ -329,6 +329,8 @@ def test_cpu_programs_compile_no_code_of_their_own(cpu):
     np.testing.assert_array_equal(cpu.download(bufs["y"]).view(np.float32), (x * 3 + 1) * 2)
     np.testing.assert_array_equal(cpu.download(bufs["z"]).view(np.float32), x * 3)
     assert set(runtime._COMPILED) == before, "a program compiled code of its own"
+    for b in bufs.values():
+        cpu.free(b)
 
 
 def test_cpu_llvm_compile_error_names_the_device(cpu, tmp_path, monkeypatch):

@@ -70,28 +70,9 @@ LINE = 64  # bytes of a cache line
 PREFETCHED = "prefetched"  # memo entry: the cache lines a body has prefetched, one set for all its vectors
 LANE0 = "first lane"  # venv entry (no IR name has a space): the vector's first lane within the loop's iteration
 
-# what every module links in: the barrier, and the timestamp a timed program's thread 0 takes after each launch
+# what every module links in: the barrier
 SUPPORT_IR = """
 declare i32 @sched_yield()
-declare i32 @clock_gettime(i32, ptr)
-define void @jl_stamp(ptr %ts, i32 %i, i32 %tid) noinline {
-entry:
-  %first = icmp eq i32 %tid, 0
-  br i1 %first, label %stamp, label %done
-stamp:
-  %spec = alloca [2 x i64], align 8
-  %r = call i32 @clock_gettime(i32 1, ptr %spec)
-  %nsp = getelementptr i64, ptr %spec, i32 1
-  %sec = load i64, ptr %spec, align 8
-  %ns = load i64, ptr %nsp, align 8
-  %sns = mul i64 %sec, 1000000000
-  %t = add i64 %sns, %ns
-  %at = getelementptr i64, ptr %ts, i32 %i
-  store i64 %t, ptr %at, align 8
-  br label %done
-done:
-  ret void
-}
 define void @jl_barrier(ptr %bar, i32 %nth) noinline {
 entry:
   %single = icmp sle i32 %nth, 1
@@ -131,11 +112,30 @@ done:
 # per launch its entry, its slots (i32 buffer and scalar slots, in the kernel's parameter order), the offset of its
 # claim counters (i32s: CLAIM_STRIDE apart, each launch's own, all zero when a step starts) and whether a barrier
 # follows it. Thread 0 zeroes the counters once the last barrier is passed. A timed program's thread 0 stamps the
-# time once every thread is in (the first launch is not charged their wake-up), then after each launch's barrier.
+# time once every thread is in (the first launch is not charged their wake-up), then after each launch's barrier
+# (jl_stamp).
 RUNNER_IR = """
 declare void @jl_barrier(ptr, i32)
-declare void @jl_stamp(ptr, i32, i32)
+declare i32 @clock_gettime(i32, ptr)
 declare void @llvm.memset.p0.i64(ptr, i8, i64, i1)
+define void @jl_stamp(ptr %ts, i32 %i, i32 %tid) noinline {
+entry:
+  %first = icmp eq i32 %tid, 0
+  br i1 %first, label %stamp, label %done
+stamp:
+  %spec = alloca [2 x i64], align 8
+  %r = call i32 @clock_gettime(i32 1, ptr %spec)
+  %nsp = getelementptr i64, ptr %spec, i32 1
+  %sec = load i64, ptr %spec, align 8
+  %ns = load i64, ptr %nsp, align 8
+  %sns = mul i64 %sec, 1000000000
+  %t = add i64 %sns, %ns
+  %at = getelementptr i64, ptr %ts, i32 %i
+  store i64 %t, ptr %at, align 8
+  br label %done
+done:
+  ret void
+}
 define void @jl_run(ptr %table, ptr %bufs, ptr %scal, i32 %tid, i32 %nth, ptr %bar, ptr %counters) {
 entry:
   %n = load i64, ptr %table, align 8
@@ -150,7 +150,7 @@ first:
   call void @jl_stamp(ptr %ts, i32 0, i32 %tid)
   br label %head
 head:
-  %i = phi i64 [0, %entry], [0, %first], [%i1, %next]
+  %i = phi i64 [0, %entry], [0, %first], [%i1, %stamp], [%i1, %note]
   %more = icmp slt i64 %i, %n
   br i1 %more, label %launch, label %done
 launch:
@@ -173,12 +173,10 @@ barrier:
   call void @jl_barrier(ptr %bar, i32 %nth)
   br label %stamp
 stamp:
-  br i1 %timed, label %note, label %next
+  br i1 %timed, label %note, label %head
 note:
   %i32 = trunc i64 %i1 to i32
   call void @jl_stamp(ptr %ts, i32 %i32, i32 %tid)
-  br label %next
-next:
   br label %head
 done:
   %zero = icmp eq i32 %tid, 0
@@ -1576,6 +1574,11 @@ ENTRY = L.FunctionType(VOID, [PTR, PTR, PTR, I32, I32, PTR, PTR])
 def kernel_type(kernel) -> L.FunctionType:
     """A kernel's function: its buffers, its scalars, then tid, nth, the barrier and its claim counters."""
     return L.FunctionType(VOID, [PTR] * len(kernel.buffers) + [I32] * len(kernel.scalars) + [I32, I32, PTR, PTR])
+
+
+def runner_module(triple) -> str:
+    """The programs' runner, `jl_run` (RUNNER_IR), for this target: compiled once, whatever the programs."""
+    return f'target triple = "{triple}"\n{RUNNER_IR}'
 
 
 def kernel_module(kernel, name, width, triple, isa=frozenset(), options=None) -> L.Module:

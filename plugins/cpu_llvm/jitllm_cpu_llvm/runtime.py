@@ -170,15 +170,15 @@ class Workers:
     def _loop(self, tid):
         while True:
             self.go[tid - 1].acquire()
-            run, table, bufs, scal, counters = self.job
-            run(table, bufs, scal, tid, self.nth, ctypes.addressof(self.bar), counters)
+            fn, table, bufs, scal, counters = self.job
+            fn(table, bufs, scal, tid, self.nth, ctypes.addressof(self.bar), counters)
 
-    def run(self, run, table, bufs, scal, counters):
+    def run(self, fn, table, bufs, scal, counters):
         with self.lock:
-            self.job = (run, table, bufs, scal, counters)
+            self.job = (fn, table, bufs, scal, counters)
             for s in self.go:
                 s.release()
-            run(table, bufs, scal, 0, self.nth, ctypes.addressof(self.bar), counters)  # returns after the final barrier
+            fn(table, bufs, scal, 0, self.nth, ctypes.addressof(self.bar), counters)  # returns after the final barrier
 
 
 class CpuBuffer(Buffer):
@@ -200,23 +200,24 @@ class CpuProgram(Program):
 
     def __init__(self, device, launches, timed=False):
         self.device = device
-        bslot, sslot, slots = {}, {}, []
+        bslot, sslot, slots, starts = {}, {}, [], []  # slots: every launch's, one after another
         for ln in launches:
+            starts.append(len(slots))
             bufs = [ln.buffer(p, device) for p in ln.kernel.buffers]
-            slots.append([bslot.setdefault(id(b), (len(bslot), b))[0] for b in bufs]
-                         + [sslot.setdefault(ln.scalar_name(s), len(sslot)) for s in ln.kernel.scalars])
-        self.slots = [(ctypes.c_int32 * max(1, len(s)))(*s) for s in slots]
+            slots += [bslot.setdefault(id(b), (len(bslot), b))[0] for b in bufs]
+            slots += [sslot.setdefault(ln.scalar_name(s), len(sslot)) for s in ln.kernel.scalars]
+        self.slots = (ctypes.c_int32 * max(1, len(slots)))(*slots)
         barriers = set(barriers_needed(launches)) | {len(launches) - 1}
         self.stamps = CpuBuffer(device, 8 * (len(launches) + 1)) if timed else None
         self.code = [device.kernel_code(ln.kernel) for ln in launches]
         self.kernel_code = {ln.kernel.key(): code for ln, code in zip(launches, self.code)}
-        self.runner = device.compile(digest(LOWERING, "jl_run", host()[:3], llvmlite.__version__),
-                                     lambda: f'target triple = "{host()[0]}"\n{lower.RUNNER_IR}', "jl_run")
+        self.runner = device.compile(_runner_key(), lambda: lower.runner_module(host()[0]), "jl_run")
         claims = [lower.claim_counters(ln.kernel) * lower.CLAIM_STRIDE for ln in launches]
         self.table = (ctypes.c_int64 * (3 + 4 * len(launches)))(
             len(launches), self.stamps.addr if timed else 0, 4 * max(1, sum(claims)))
-        for i, (s, offset) in enumerate(zip(self.slots, np.cumsum([0] + claims[:-1]))):
-            self.table[4 + 4 * i:7 + 4 * i] = [ctypes.addressof(s), int(offset), int(timed or i in barriers)]
+        at = ctypes.addressof(self.slots)
+        for i, (start, offset) in enumerate(zip(starts, np.cumsum([0] + claims[:-1]))):
+            self.table[4 + 4 * i:7 + 4 * i] = [at + 4 * start, int(offset), int(timed or i in barriers)]
         self.run_fn = None
         self.scalar_slots = sslot
         self.keep = [b for _, b in bslot.values()]
@@ -241,6 +242,12 @@ class CpuProgram(Program):
                                 ctypes.addressof(self.bufs), ctypes.addressof(self.scal), self.counters.addr)
         if self.stamps is not None:
             return list(np.diff(self.stamps.arr.view(np.int64)) * 1e-9)
+
+
+@functools.cache
+def _runner_key():
+    """The key of the programs' runner's code (lower.runner_module): this lowering's, for this CPU."""
+    return digest(LOWERING, "jl_run", host()[:3], llvmlite.__version__)
 
 
 def barriers_needed(launches):
