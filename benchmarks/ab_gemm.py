@@ -13,7 +13,7 @@ import ast
 
 import numpy as np
 from ab_decode import setter
-from kernels import PREFILL, packed_tensor, prefill_launches, seconds, upload
+from kernel_speed import PREFILL, packed_tensor, prefill_launches, seconds, upload
 
 from jitllm_core import ops, registry
 

@@ -407,7 +407,7 @@ def prefill_matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, 
 # that a tile sums a whole block before the scales, and each row's integer takes two bytes (TILE_PLANES tiles).
 # On a Sapphire Rapids core with random weights and inputs (2048 x 2048 Q4_K by 128 tokens, best of 5, alternated with
 # the f32 prefill matmul): 12.0-13.1 ms against 13.2-14.2; on all-zero data 7.2-9.0 against 9.4-11.9 -- AMX runs
-# faster on zeros, so measure with real data (`benchmarks/kernels.py --only prefill` prints both kinds)
+# faster on zeros, so measure with real data (`benchmarks/kernel_speed.py --only prefill` prints both kinds)
 TILE_TOKENS = 5
 TILE_INPUTS = 2
 TILE_SPAN = 256

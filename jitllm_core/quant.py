@@ -84,7 +84,7 @@ class Format:
         groups (constants, so that scale lookups fold) of a vector Reduce over the group's lanes. Wide (a GPU's
         warp per row): one "reduce" Reduce over (block, lane) pairs, so that neighbouring lanes read neighbouring
         bytes of a block and all of them have work however few blocks a row has (on a CPU that form runs ~20x
-        slower, its lanes gathering every block's scales: benchmarks/kernels.py)."""
+        slower, its lanes gathering every block's scales: benchmarks/kernel_speed.py)."""
         nb = cols // self.block
 
         def terms(b, g, l):
@@ -664,7 +664,7 @@ class R6(Interleaved):
     4 k + j in its low 6 bits, and bits 2 k, 2 k + 1 of element 12 + j's q in its top 2; value = d * scale_s *
     (q - 32). A dot reads 3 quads of q with one mask each, the fourth from the words' tops, and subtracts 32
     times the input's sums. Pieces: the block's quarters (in halves, one thread's decode streamed ~5 % slower:
-    `benchmarks/kernels.py --only decode`)."""
+    `benchmarks/kernel_speed.py --only decode`)."""
     digits = True
     pieces = 4
     integer_tiles = True

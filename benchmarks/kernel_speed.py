@@ -7,7 +7,7 @@
 - the core's f32 multiply-add peak (a bare loop of independent multiply-adds), the same with half its chains
   looking products up (AVX-512), and a prefill matmul whose weights stay in L2.
 
-    python benchmarks/kernels.py [--threads N] [--only decode|file|prefill|ceiling] [--force prefetch=1]
+    python benchmarks/kernel_speed.py [--threads N] [--only decode|file|prefill|ceiling] [--force prefetch=1]
 """
 import argparse
 import ctypes
