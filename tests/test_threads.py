@@ -40,7 +40,8 @@ def test_model_logits_independent_of_thread_count(default_model, two_threads):
 def test_claimed_iterations_cover_each_run_once(two_threads):
     """Half a parallel loop is claimed in chunks from a counter per launch: every iteration runs exactly once in
     every run of a program (the counters start from zero again), for two independent launches back to back (no
-    barrier between them), and for loops with fewer iterations than threads x 2."""
+    barrier between them), for loops with fewer iterations than threads x 2, and either side of the length up to
+    which a loop that streams no weights is split into even shares with nothing claimed (lower.STATIC_ITERATIONS)."""
     from jitllm_core import ir
     from jitllm_core.plugin import Launch
     k = ir.Kernel("count_iterations")
@@ -52,7 +53,9 @@ def test_claimed_iterations_cover_each_run_once(two_threads):
     dev.configure(threads=3)
     a, b = dev.alloc(4096 * 4), dev.alloc(4096 * 4)
     prog = dev.program([Launch(k, {"y": a}, {"n": "na"}), Launch(k, {"y": b}, {"n": "nb"})])
-    runs = [(4096, 1), (1, 4096), (1000, 5), (4096, 4096)]
+    from jitllm_cpu_llvm import lower
+    even = 3 * lower.STATIC_ITERATIONS
+    runs = [(4096, 1), (1, 4096), (1000, 5), (4096, 4096), (even, even + 1), (0, 2), (3, even - 1)]
     for na, nb in runs:
         prog.run({"na": na, "nb": nb})
     for buf, ns in ((a, [r[0] for r in runs]), (b, [r[1] for r in runs])):

@@ -58,6 +58,13 @@ PREFETCH_DEEP = ((4096, 3), (16384, 1), (32768, 1))
 # not stay in the caches): SmolLM2's 69-207 KB projections too, whose threads' short streams the hardware's
 # prefetcher barely starts on (two threads' decode +2-6 %, one thread's unchanged: docs/benchmarks.md)
 PREFETCH_MIN = 32 << 10
+# a parallel loop that streams no weights and has at most this many iterations a thread (a decode step's ropes,
+# norms, input quantizations, attention heads) is cut into even contiguous shares, nothing claimed: its claimed
+# chunks were of one or two iterations, whose atomics and writes to cache lines the other thread also wrote cost
+# more than the balance they bought (SmolLM2's two-thread decode step: its ropes 0.184 -> 0.044 ms, its input
+# quantizations 0.218 -> 0.145; decode 240.9 -> 259.9 tok/s, ab_decode.py, 7 rounds, every pair faster). Longer
+# ones (a prompt's attention, whose later tokens see more keys) keep the claims
+STATIC_ITERATIONS = 128
 CLAIMS = 4  # chunks per thread of a parallel loop's claimed half
 # the least a claimed chunk streams of a loop's weights (its ir.WEIGHTS buffer): a chunk starts a new stream, whose
 # first lines wait on DRAM before its prefetches run ahead. SmolLM2's matvecs (its chunks were 35 KB) on a Zen 5's
@@ -342,11 +349,16 @@ class KernelLowering:
         atomics), then all claim the rest a chunk at a time from the launch's counter, so that a thread slowed by
         whatever else its core runs does less of it instead of holding up the barrier (CLAIMS chunks a thread, each
         at least CLAIM_BYTES of the loop's weights, but at most a thread's even part of the claimed half: a few
-        long iterations, a prefill matmul's slices, still go to every thread). The body is emitted once."""
+        long iterations, a prefill matmul's slices, still go to every thread); short loops that stream no weights
+        only the even shares (STATIC_ITERATIONS). The body is emitted once."""
         b, one = self.b, L.Constant(I32, 1)
         start, ext = self.expr(s.start), self.expr(s.extent)
         end = b.add(start, ext)
         share = b.select(b.icmp_signed("==", self.nth, one), ext, b.sdiv(ext, b.mul(self.nth, L.Constant(I32, 2))))
+        weightless = self.streamed_weights() is None and STATIC_ITERATIONS
+        if weightless:  # a short loop that streams no weights: contiguous even shares, nothing claimed
+            static = b.icmp_signed("<=", ext, b.mul(self.nth, L.Constant(I32, STATIC_ITERATIONS)))
+            share = b.select(static, b.sdiv(b.add(ext, b.sub(self.nth, one)), self.nth), share)
         first = b.add(start, b.mul(self.nth, share))  # where the claimed chunks begin
         claimed = b.sub(end, first)
         chunk = b.sdiv(claimed, b.mul(self.nth, L.Constant(I32, CLAIMS)))
@@ -357,12 +369,17 @@ class KernelLowering:
         chunk = b.select(b.icmp_signed("<", chunk, one), one, chunk)
         i, hi = self.alloca(I32), self.alloca(I32)
         lo = b.add(start, b.mul(self.tid, share))
-        b.store(lo, i), b.store(b.add(lo, share), hi)
+        top = b.add(lo, share)
+        b.store(lo, i), b.store(b.select(b.icmp_signed("<", top, end), top, end), hi)
         test, claim, work, done = (self.fn.append_basic_block(n) for n in ("next", "claim", "work", "all_done"))
         b.branch(test)
         b.position_at_end(test)
         b.cbranch(b.icmp_signed("<", b.load(i, typ=I32), b.load(hi, typ=I32)), work, claim)
         b.position_at_end(claim)
+        if weightless:
+            go = self.fn.append_basic_block("claim_chunk")
+            b.cbranch(static, done, go)
+            b.position_at_end(go)
         c0 = b.add(first, b.mul(b.atomic_rmw("add", counter, one, "monotonic"), chunk))
         c1 = b.add(c0, chunk)
         b.store(c0, i), b.store(b.select(b.icmp_signed("<", c1, end), c1, end), hi)
