@@ -42,9 +42,8 @@ def main():
     print(f"loops as compiled for {cpu or runtime.host()[1] + ' (this CPU)'}")
     for name, rows, cols in MATVECS:
         fmt = quant.packed_format(quant.get_format(name, cols), rows)
-        feats = None if cpu is None else assembly.features(cpu)  # as a decode program compiles it (CpuProgram)
-        schedule = lower.has_vnni(runtime.simd_width(feats), runtime.isa(feats))
-        body = assembly.product_loop(assembly.assembly(ops.matmul(fmt, rows, cols, 1), cpu, schedule))
+        # as a decode program compiles it: tuned, so without the machine scheduler (runtime.machine_scheduled)
+        body = assembly.product_loop(assembly.assembly(ops.matmul(fmt, rows, cols, 1), cpu, False))
         weights = fmt.block * quant.ROWS // fmt.pieces
         vector = [x for x in body if x.startswith("v") or x.startswith("prefetch")]
         prefetches = sum(x.startswith("prefetch") for x in body) // len(lower.PREFETCH)

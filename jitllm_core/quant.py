@@ -545,11 +545,14 @@ class R4XS(Affine4):
 
 class R4K(Affine4):
     """Q4_K's super-blocks of 256: [d f16, dmin f16][the file's 12 bytes of 6-bit scales and mins][8 x 4 words of
-    nibbles] per row (the file's 144 bytes); sub-block s's value = d * scale_s * q - dmin * min_s. Pieces:
-    sub-blocks 0-3, 4-7 (one piece no faster), each piece's 4 scales and 4 mins a word of bytes made from the
-    packed words (`_k4_scales_mins`). R5K (Q5_K, the file's 176 bytes): [d, dmin][scales and mins][8 words of
-    fifth bits, a sub-block's each][8 x 4 words of nibbles]."""
-    pieces = 2
+    nibbles] per row (the file's 144 bytes); sub-block s's value = d * scale_s * q - dmin * min_s. One piece, the
+    whole block an iteration (in halves, a matvec's loop spent a sixth of its instructions on the half's addresses
+    and prefetched some lines twice: the 1B shape's decode on an AMX Xeon 14.14 -> 14.80 tok/s on one thread, 25.96
+    -> 26.66 on two, `ab_decode.py --set quant.R4K.pieces 2 1`); each 4 sub-blocks' scales and mins a word of bytes
+    made from the packed words (`_k4_scales_mins`). R5K (Q5_K, the file's 176 bytes): [d, dmin][scales and
+    mins][8 words of fifth bits, a sub-block's each][8 x 4 words of nibbles], in halves (whole, its values spill:
+    a matvec 4 % slower)."""
+    pieces = 1
     fifth = None
     integer_tiles = True
 
@@ -563,10 +566,11 @@ class R4K(Affine4):
         dm = _word(k, buf, at(0, 4))
         d, dmin = ir.f16bits(dm), ir.f16bits(dm >> 16)
         n = 8 // self.pieces
-        scales, mins = _k4_scales_mins(lambda i: _word(k, buf, at(4 + 4 * i, 4)), piece)
-        byte = lambda w, j: (w >> 8 * j) & 255
+        words = [_k4_scales_mins(lambda i: _word(k, buf, at(4 + 4 * i, 4)), piece * (n // 4) + h)
+                 for h in range(n // 4)]  # (scales, mins) of each 4 of the piece's sub-blocks
+        byte = lambda j, m: (words[j // 4][m] >> 8 * (j % 4)) & 255
         quants = 16 if self.fifth is None else 48
-        return d, [(byte(scales, j), -(dmin * F(byte(mins, j))), quants + 16 * (piece * n + j),
+        return d, [(byte(j, 0), -(dmin * F(byte(j, 1))), quants + 16 * (piece * n + j),
                     None if self.fifth is None else self.fifth + 4 * (piece * n + j), 32 * (piece * n + j))
                    for j in range(n)]
 
@@ -578,6 +582,7 @@ class R4K(Affine4):
 
 class R5K(R4K):
     fifth = 16
+    pieces = 2
 
 
 class R2K(Interleaved):
@@ -663,10 +668,13 @@ class R6(Interleaved):
     words of sub-block s (16 elements, scale s) hold its 6-bit q: byte j of word k (k = 0, 1, 2) q of element
     4 k + j in its low 6 bits, and bits 2 k, 2 k + 1 of element 12 + j's q in its top 2; value = d * scale_s *
     (q - 32). A dot reads 3 quads of q with one mask each, the fourth from the words' tops, and subtracts 32
-    times the input's sums. Pieces: the block's quarters (in halves, one thread's decode streamed ~5 % slower:
-    `benchmarks/kernel_speed.py --only decode`)."""
+    times the input's sums. One piece, the whole block an iteration: with the deep prefetch (the tuner's default)
+    quarters, once faster than halves (whose values spilled), made the 1B shape's decode on an AMX Xeon 9-10 %
+    slower (14.76 against 16.17 tok/s on one thread, 26.98 against 29.69 on two, `ab_decode.py --set
+    quant.R6.pieces 4 2 1`; a matvec alone 11.1 against 12.8 GB/s), though with the non-temporal prefetch quarters
+    were the faster (6.5 against 6.0)."""
     digits = True
-    pieces = 4
+    pieces = 1
     integer_tiles = True
 
     def quads(self, k, buf, at, s):

@@ -148,28 +148,27 @@ def test_prefetch_options_change_the_code_not_the_results(cpu):
 
 
 @pytest.mark.parametrize("target", [None, "icelake-server"], ids=["this CPU", "VNNI"])
-def test_machine_scheduler_left_out_only_for_streaming_kernels_without_vnni(cpu, target):
-    """LLVM's machine scheduler orders a kernel's whole module: a matvec tuned for streaming goes without it on a CPU
-    without VNNI, a kernel never tuned (a prefill gemm, a norm) or an untuned matvec keeps it, and so does every
-    kernel on a VNNI CPU; the code differs, the results do not."""
+def test_machine_scheduler_left_out_only_for_streaming_kernels(cpu, target):
+    """LLVM's machine scheduler orders a kernel's whole module: a matvec tuned for streaming goes without it, with
+    VNNI or without; a kernel never tuned (a prefill gemm, a norm) or an untuned matvec keeps it; the code differs,
+    the results do not."""
     dev = cpu if target is None else assembly.device(target)
     k, gemm, norm = matvec(), ops.prefill_matmul(quant.PACKED["R4"], 64, COLS, 8), ops.rmsnorm(COLS, 4, 1e-5)
     assert gemm.tune_tag and not norm.tune_tag
     scheduled = lambda kernel: runtime.machine_scheduled(dev, kernel)
-    vnni = lower.has_vnni(dev.width, dev.instructions)
     try:
         dev.tune(k.tune_tag, {"prefetch": lower.PREFETCH})
-        assert scheduled(k) == vnni and scheduled(gemm) and scheduled(norm)
+        assert not scheduled(k) and scheduled(gemm) and scheduled(norm)
         if target is None:  # and a program's kernel is compiled so
             bufs = {p: cpu.alloc(b.size * ir.STORAGE_DTYPES[b.dtype]) for p, b in k.buffers.items()}
-            assert cpu.program([Launch(k, bufs)]).kernel_code[k.key()].schedule == vnni
+            assert not cpu.program([Launch(k, bufs)]).kernel_code[k.key()].schedule
             for b in bufs.values():
                 cpu.free(b)
     finally:
         dev.tuned.pop(k.tune_tag)
     assert scheduled(k)
-    assert target or vnni or assembly.assembly(k, schedule=False) != assembly.assembly(k)
-    if target is None:  # tuned: without the scheduler (if this CPU lacks VNNI); not tuned: with it
+    assert target or assembly.assembly(k, schedule=False) != assembly.assembly(k)
+    if target is None:  # tuned: without the scheduler; not tuned: with it
         outs = outputs_tuned(cpu, k, [{"prefetch": lower.PREFETCH}, None])
         np.testing.assert_array_equal(outs[0], outs[1])
 
@@ -264,7 +263,8 @@ def test_vnni_decode_loops_take_each_digit_product_once_in_registers(name):
     (16 lanes of 4: 64 a instruction), none by the AVX2 fallback, and keeps its values in registers: a change made
     for AVX2 must not cost the machines the targets were met on."""
     fmt = quant.packed_format(quant.get_format(name, 8192), 2048)  # streamed: prefetched as in a step
-    body = assembly.product_loop(assembly.assembly(ops.matmul(fmt, 2048, 8192, 1), "icelake-server"))
+    # as a decode step's program compiles it: tuned, so without the machine scheduler (runtime.machine_scheduled)
+    body = assembly.product_loop(assembly.assembly(ops.matmul(fmt, 2048, 8192, 1), "icelake-server", False))
     mnemonics = [x.split()[0] for x in body]
     weights = fmt.block * quant.ROWS // fmt.pieces
     assert mnemonics.count("vpdpbusd") == quant.DIGITS * weights // 64

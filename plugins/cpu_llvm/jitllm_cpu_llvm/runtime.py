@@ -43,10 +43,11 @@ def on_llvm_thread(generate, schedule=True):
 
 def machine_scheduled(device, k) -> bool:
     """Whether kernel k's module is compiled with LLVM's machine scheduler: not where it was tuned for streaming (a
-    decode step's matvec; a prefill gemm is tagged and never tuned) on a CPU without VNNI, where the scheduler
-    interleaves its byte products' i16 sums into spills (a Zen 3's decode matvecs 10 % slower in the step with it;
-    its prefill gemm at half the pace without it)."""
-    return lower.has_vnni(device.width, device.instructions) or k.tune_tag not in device.tuned
+    decode step's matvec; a prefill gemm is tagged and never tuned). There the scheduler's order spills: on a CPU
+    without VNNI it interleaves the byte products' i16 sums (a Zen 3's decode matvecs 10 % slower in the step with
+    it; its prefill gemm at half the pace without it), on an AMX Xeon a whole block's values (R4K's loop stored 11
+    vectors to the stack, R6's 30; without it none, the 1B shape's decode +3.9 % on one thread, +2.8 % on two)."""
+    return k.tune_tag not in device.tuned
 
 
 def simd_width(feats=None):
