@@ -668,11 +668,11 @@ class R6(Interleaved):
     words of sub-block s (16 elements, scale s) hold its 6-bit q: byte j of word k (k = 0, 1, 2) q of element
     4 k + j in its low 6 bits, and bits 2 k, 2 k + 1 of element 12 + j's q in its top 2; value = d * scale_s *
     (q - 32). A dot reads 3 quads of q with one mask each, the fourth from the words' tops, and subtracts 32
-    times the input's sums. One piece, the whole block an iteration: with the deep prefetch (the tuner's default)
-    quarters, once faster than halves (whose values spilled), made the 1B shape's decode on an AMX Xeon 9-10 %
-    slower (14.76 against 16.17 tok/s on one thread, 26.98 against 29.69 on two, `ab_decode.py --set
-    quant.R6.pieces 4 2 1`; a matvec alone 11.1 against 12.8 GB/s), though with the non-temporal prefetch quarters
-    were the faster (6.5 against 6.0)."""
+    times the input's sums. One piece, the whole block an iteration: quarters, once faster than halves (whose
+    values spilled), left the 1B shape's decode on an AMX Xeon 2-3 % slower (12.98 against 13.37 tok/s on one
+    thread, 24.20 against 24.76 on two, `ab_decode.py --set quant.R6.pieces 4 1`, decode programs compiled without
+    the machine scheduler, which spilled the whole block's values; a matvec alone with the deep prefetch 11.1
+    against 12.8 GB/s, though with the non-temporal one quarters were the faster, 6.5 against 6.0)."""
     digits = True
     pieces = 1
     integer_tiles = True
