@@ -547,8 +547,8 @@ class R4K(Affine4):
     """Q4_K's super-blocks of 256: [d f16, dmin f16][the file's 12 bytes of 6-bit scales and mins][8 x 4 words of
     nibbles] per row (the file's 144 bytes); sub-block s's value = d * scale_s * q - dmin * min_s. One piece, the
     whole block an iteration (in halves, a matvec's loop spent a sixth of its instructions on the half's addresses
-    and prefetched some lines twice: the 1B shape's decode on an AMX Xeon 14.14 -> 14.80 tok/s on one thread, 25.96
-    -> 26.66 on two, `ab_decode.py --set quant.R4K.pieces 2 1`); each 4 sub-blocks' scales and mins a word of bytes
+    and prefetched some lines twice: the 1B shape's decode on an AMX Xeon 14.26 -> 15.10 tok/s on one thread, 27.31
+    -> 28.45 on two, `ab_decode.py --set quant.R4K.pieces 2 1`); each 4 sub-blocks' scales and mins a word of bytes
     made from the packed words (`_k4_scales_mins`). R5K (Q5_K, the file's 176 bytes): [d, dmin][scales and
     mins][8 words of fifth bits, a sub-block's each][8 x 4 words of nibbles], in halves (whole, its values spill:
     a matvec 4 % slower)."""
