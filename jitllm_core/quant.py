@@ -550,8 +550,9 @@ class R4K(Affine4):
     and prefetched some lines twice: the 1B shape's decode on an AMX Xeon 14.26 -> 15.10 tok/s on one thread, 27.31
     -> 28.45 on two, `ab_decode.py --set quant.R4K.pieces 2 1`); each 4 sub-blocks' scales and mins a word of bytes
     made from the packed words (`_k4_scales_mins`). R5K (Q5_K, the file's 176 bytes): [d, dmin][scales and
-    mins][8 words of fifth bits, a sub-block's each][8 x 4 words of nibbles], in halves (whole, its values spill:
-    a matvec 4 % slower)."""
+    mins][8 words of fifth bits, a sub-block's each][8 x 4 words of nibbles], in halves (whole, a matvec was 3-4 %
+    slower while the machine scheduler spilled it; compiled without it, as decode programs now are, whole blocks
+    measured 1-6 % faster, not yet adopted)."""
     pieces = 1
     fifth = None
     integer_tiles = True
@@ -566,9 +567,9 @@ class R4K(Affine4):
         dm = _word(k, buf, at(0, 4))
         d, dmin = ir.f16bits(dm), ir.f16bits(dm >> 16)
         n = 8 // self.pieces
-        words = [_k4_scales_mins(lambda i: _word(k, buf, at(4 + 4 * i, 4)), piece * (n // 4) + h)
-                 for h in range(n // 4)]  # (scales, mins) of each 4 of the piece's sub-blocks
-        byte = lambda j, m: (words[j // 4][m] >> 8 * (j % 4)) & 255
+        fours = [_k4_scales_mins(lambda i: _word(k, buf, at(4 + 4 * i, 4)), piece * (n // 4) + h)
+                 for h in range(n // 4)]  # (scales, mins) words of each 4 of the piece's sub-blocks
+        byte = lambda j, m: (fours[j // 4][m] >> 8 * (j % 4)) & 255  # m: 0 sub-block j's scale, 1 its min
         quants = 16 if self.fifth is None else 48
         return d, [(byte(j, 0), -(dmin * F(byte(j, 1))), quants + 16 * (piece * n + j),
                     None if self.fifth is None else self.fifth + 4 * (piece * n + j), 32 * (piece * n + j))
