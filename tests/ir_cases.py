@@ -131,6 +131,23 @@ def byte_dots(groups=2, n=16, steps=6):
     return k
 
 
+def byte_shifts(groups=2, n=16):
+    """Words' bytes shifted right, as nibbles and crumbs are unpacked: (w >> s) & each byte's low 8 - s bits for
+    s = 1 .. 7 (a CPU may shift the bytes instead), and near misses (a mask one bit short, a shift of 8)."""
+    k = ir.Kernel("byte_shifts")
+    k.buffer("w", "u8", groups * n * 4), k.buffer("o", "i32", groups * n * 9, True)
+    with k.parallel("g", groups) as g:
+        with k.loop("l", n, "vector") as l:
+            r = g * n + l
+            w = (k.load("w", r * 4) | (k.load("w", r * 4 + 1) << 8) | (k.load("w", r * 4 + 2) << 16)
+                 | (k.load("w", r * 4 + 3) << 24))
+            for s in range(1, 8):
+                k.store("o", r * 9 + s - 1, (w >> s) & (0xFF >> s) * 0x01010101)
+            k.store("o", r * 9 + 7, (w >> 4) & 0x0F0F0F0E)
+            k.store("o", r * 9 + 8, (w >> 8) & 0x00FF00FF)
+    return k
+
+
 def tile_dots(tiles=2, m=3, words=16):
     """TileDot: two tiles of m rows of signed bytes (rows 80 bytes apart, from an offset) by two tiles of 16 columns
     of unsigned weight words, three of the four products, into rows of 24 i32 (past the 16 written: untouched); a
@@ -309,6 +326,7 @@ CASES = {
     "word_bits": (word_bits, {}),
     "lane_idioms": (lane_idioms, {}),
     "byte_dots": (byte_dots, {}),
+    "byte_shifts": (byte_shifts, {}),
     "byte_lookups": (byte_lookups, {}),
     "tile_dots": (tile_dots, {}),
     "reductions": (reductions, {"n": 13}),

@@ -546,6 +546,12 @@ class KernelLowering:
             return b.trunc(v, ty(I8))
         return v
 
+    def shift_bytes(self, v, s):
+        """each byte of the i32 vector v shifted right by s: one instruction where the CPU has GFNI (an affine map
+        of each byte), else the word shift and mask that (v >> s) & mask is anyway"""
+        bt = L.VectorType(I8, 4 * v.type.count)
+        return self.b.bitcast(self.b.lshr(self.b.bitcast(v, bt), L.Constant(bt, [s] * bt.count)), v.type)
+
     def splat_like(self, v, t, c):
         if isinstance(v.type, L.VectorType):
             return L.Constant(L.VectorType(t, v.type.count), [c] * v.type.count)
@@ -842,6 +848,10 @@ class KernelLowering:
                     return v
             if _is_dot4_sum(e):
                 return VVal("v", self.dot4_sum(_terms(e), venv))
+            if (shift := _byte_shift(e)) is not None:  # nibbles, crumbs: (x >> s) & their mask
+                x = self.vexpr(e.a.a, venv)
+                if x.kind != "u":
+                    return VVal("v", self.shift_bytes(self.to_vec(x, "i32"), shift))
             x, y = self.vexpr(e.a, venv), self.vexpr(e.b, venv)
             if x.kind == "u" and y.kind == "u":
                 return VVal("u", self.binop(e.op, x.val, y.val, e.a.dtype))
@@ -1268,6 +1278,14 @@ def _vector_parts(e):
 def _mangle(t):
     """A type's part of an intrinsic's name (llvmlite mangles scalar types only)."""
     return f"v{t.count}{t.element.intrinsic_name}" if isinstance(t, L.VectorType) else t.intrinsic_name
+
+
+def _byte_shift(e):
+    """s where i32 e is (x >> s) & each byte's low 8 - s bits, s in 1..7: x's bytes shifted right; else None"""
+    if e.op == "and" and isinstance(e.b, ir.Const) and isinstance(e.a, ir.Bin) and e.a.op == "shr" \
+            and isinstance(e.a.b, ir.Const) and 0 < e.a.b.value < 8 and e.b.value == (0xFF >> e.a.b.value) * 0x01010101:
+        return e.a.b.value
+    return None
 
 
 def _range(e, k):
