@@ -153,6 +153,7 @@ class Device:
     # the core measures them on each kernel tag (ir.Kernel.tune_as) and calls `tune` with the fastest.
     tunables: dict = {}
     tuned: dict = {}  # tag -> the options `tune` gave it (reports show them)
+    cache_bytes = 0  # its largest cache, where known: the tuner's copies of a streamed buffer exceed it
     lowering = ""  # the version of the code that lowers kernels: measurements recorded under another are redone
 
     def tune(self, tag: str, options: dict):

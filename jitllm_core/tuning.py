@@ -25,6 +25,10 @@ from .errors import BackendError
 from .plugin import Launch
 
 ROTATION_BYTES = 64 << 20  # the copies of a kernel's streamed buffer one measured run reads: past the caches
+# or, on a device with a larger cache (Device.cache_bytes), this many times its size: on a Xeon whose L3 is said to
+# be 480 MB, 64 MB of copies streamed at 29 GB/s on one thread whichever the prefetch, while from memory (1 GB) the
+# candidates ranked as they do in decode steps, 14.0-16.0 GB/s (the deep prefetch the slowest)
+CACHE_MULTIPLE = 1.5
 ROUNDS = 15  # each candidate's runs, alternated (a run streams 64 MB: 2-3 ms; a noisy moment must not decide)
 # but no more rounds than fit in BUDGET_S once each candidate has run MIN_ROUNDS times: where memory is slow (a
 # shared Xeon's 64 MB at 5 GB/s: 13 ms a run), 15 rounds of 4 candidates took 0.6-1.1 s a tag, a fifth of the cold
@@ -79,7 +83,7 @@ class _Probe:
     def __init__(self, dev, k, variants):
         self.dev, self.k, self.bufs = dev, k, []
         streamed = _streamed(k)
-        copies = max(2, ROTATION_BYTES // _buffer_bytes(k, streamed))
+        copies = max(2, max(ROTATION_BYTES, int(CACHE_MULTIPLE * dev.cache_bytes)) // _buffer_bytes(k, streamed))
         try:
             for p in k.buffers:
                 for _ in range(copies if p == streamed else 1):

@@ -90,6 +90,19 @@ def test_tuning_streams_the_weights_not_a_larger_input(cpu):
         probe.free()
 
 
+def test_tuning_copies_exceed_the_largest_cache(cpu, monkeypatch):
+    """Where the CPU's largest cache could hold ROTATION_BYTES of copies (a Xeon's L3, said to be 480 MB), they
+    exceed it CACHE_MULTIPLE times: read from its L3 the candidates tied, from memory they ranked as in decode."""
+    assert cpu.cache_bytes == runtime.largest_cache() >= 0
+    monkeypatch.setattr(cpu, "cache_bytes", 2 * tuning.ROTATION_BYTES)
+    probe = tuning._Probe(cpu, matvec(), [{"prefetch": ()}])
+    try:
+        weights = [b.nbytes for p, b in probe.bufs if p == "w"]
+        assert sum(weights) > tuning.CACHE_MULTIPLE * cpu.cache_bytes - weights[0]
+    finally:
+        probe.free()
+
+
 def test_tuning_measures_within_its_budget_but_never_fewer_than_min_rounds(cpu, monkeypatch):
     """Where runs are slow the measurement stops once BUDGET_S has passed, each candidate having run MIN_ROUNDS
     times; where they are fast all ROUNDS fit."""

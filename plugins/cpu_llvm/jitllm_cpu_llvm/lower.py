@@ -54,6 +54,11 @@ PREFETCH_L2 = ((4096, 3), (16384, 1))
 # and a third distance, 32 KB into L2: on a Zen 5 host busy enough that one thread read 26 GB/s (40 before), the
 # 1B shape's decode 23.6 -> 29.1 tok/s on one thread, 30.7 -> 37.0 on two, against PREFETCH_L2 (ab_decode.py, 5 rounds)
 PREFETCH_DEEP = ((4096, 3), (16384, 1), (32768, 1))
+# or two, both further ahead: into L1 12 KB ahead, into L2 24 KB. On an AMX Xeon (its decode loops shortened by
+# GFNI's byte shifts), the 1B shape's decode 16.89 -> 18.68 tok/s on one thread against PREFETCH_DEEP with the
+# near one at 4 KB, 19.81 -> 20.24 against it at 8 KB (ab_decode.py, 4-5 rounds); an R4K matvec over 1 GB of
+# copies 14.0 -> 16.0 GB/s on one thread, 27.0 -> 29.2 on two
+PREFETCH_FAR = ((12288, 3), (24576, 1))
 # "large": a matrix streamed from DRAM in a decode step, however small (a step reads the whole model, which does
 # not stay in the caches): SmolLM2's 69-207 KB projections too, whose threads' short streams the hardware's
 # prefetcher barely starts on (two threads' decode +2-6 %, one thread's unchanged: docs/benchmarks.md)

@@ -61,6 +61,17 @@ ISA = ("avx512vnni", "avxvnni", "avx512vl", "avx512bw", "avx2", "ssse3", "amx-ti
 AMX = {"amx-tile", "amx-int8"}
 
 
+def largest_cache():
+    """Bytes of this CPU's largest cache, as Linux says (0 where it does not)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip()
+        if text[:-1].isdigit() and text[-1] in units:
+            sizes.append(int(text[:-1]) * units[text[-1]])
+    return max(sizes, default=0)
+
+
 def isa(feats=None):
     """The x86 features of this CPU (or of feats) that the lowering chooses instructions by (VNNI's byte dots and
     the like); this CPU's AMX only where Linux lets the process use its tiles (`amx_permitted`)."""
@@ -269,14 +280,14 @@ def barriers_needed(launches):
 
 class CpuDevice(Device):
     backend = "cpu"
-    # how far ahead streamed weights are prefetched and how (lower.PREFETCH_DEEP, PREFETCH, PREFETCH_L2), or not at
-    # all: Intel's Ice Lake and Emerald Rapids stream every layout faster with a prefetch, a Zen 3 its 4-bit ones but
-    # not its 6-bit one on two threads, a Zen 5 fastest with the far prefetch non-temporal, or on a busy host with a
-    # third one further ahead. The first is the tuner's default, kept unless another beats it (tuning.MARGIN): its
+    # how far ahead streamed weights are prefetched and how (lower.PREFETCH_DEEP, PREFETCH, PREFETCH_L2,
+    # PREFETCH_FAR), or not at all: Intel's Ice Lake and Emerald Rapids stream every layout faster with a prefetch, a
+    # Zen 3 its 4-bit ones but not its 6-bit one on two threads, a Zen 5 fastest with the far prefetch non-temporal,
+    # or on a busy host with a third one further ahead, an AMX Xeon with two both further ahead. The first is the tuner's default, kept unless another beats it (tuning.MARGIN): its
     # probe, one matvec over rotated copies, saw the first three within 2-8 % of one another on a Sapphire Rapids
     # host whose whole decode steps differed by 1.6x (SmolLM2 on two threads: 121.4 tok/s deep, 77.8 non-temporal;
     # a busy Zen 5's 1B: 37.0 and 22.7), so a tie keeps the deep one, never far behind in a step
-    tunables = {"prefetch": [lower.PREFETCH_DEEP, lower.PREFETCH, lower.PREFETCH_L2, ()]}
+    tunables = {"prefetch": [lower.PREFETCH_DEEP, lower.PREFETCH, lower.PREFETCH_L2, lower.PREFETCH_FAR, ()]}
     lowering = LOWERING
 
     def __init__(self, name, threads, memory_bytes, width=None, instructions=None):
@@ -296,6 +307,7 @@ class CpuDevice(Device):
         if AMX <= self.instructions:  # TileDot as AMX tile multiplies (lower.amx_fits)
             self.caps.extra["tile_dots"] = True
         self.used = 0
+        self.cache_bytes = largest_cache()
         self.tuned = {}  # kernel tag -> lowering options (Device.tune)
         self._lock = threading.Lock()
         self.configure(threads=threads)
