@@ -283,10 +283,11 @@ class CpuDevice(Device):
     # how far ahead streamed weights are prefetched and how (lower.PREFETCH_DEEP, PREFETCH, PREFETCH_L2,
     # PREFETCH_FAR), or not at all: Intel's Ice Lake and Emerald Rapids stream every layout faster with a prefetch, a
     # Zen 3 its 4-bit ones but not its 6-bit one on two threads, a Zen 5 fastest with the far prefetch non-temporal,
-    # or on a busy host with a third one further ahead, an AMX Xeon with two both further ahead. The first is the tuner's default, kept unless another beats it (tuning.MARGIN): its
-    # probe, one matvec over rotated copies, saw the first three within 2-8 % of one another on a Sapphire Rapids
-    # host whose whole decode steps differed by 1.6x (SmolLM2 on two threads: 121.4 tok/s deep, 77.8 non-temporal;
-    # a busy Zen 5's 1B: 37.0 and 22.7), so a tie keeps the deep one, never far behind in a step
+    # or on a busy host with a third one further ahead, an AMX Xeon with two both further ahead. The first is the
+    # tuner's default, kept unless another beats it (tuning.MARGIN): its probe, one matvec over rotated copies, saw
+    # the first three within 2-8 % of one another on a Sapphire Rapids host whose whole decode steps differed by
+    # 1.6x (SmolLM2 on two threads: 121.4 tok/s deep, 77.8 non-temporal; a busy Zen 5's 1B: 37.0 and 22.7), so a
+    # tie keeps the deep one, never far behind in a step
     tunables = {"prefetch": [lower.PREFETCH_DEEP, lower.PREFETCH, lower.PREFETCH_L2, lower.PREFETCH_FAR, ()]}
     lowering = LOWERING
 
