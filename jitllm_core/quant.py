@@ -550,9 +550,10 @@ class R4K(Affine4):
     and prefetched some lines twice: the 1B shape's decode on an AMX Xeon 14.26 -> 15.10 tok/s on one thread, 27.31
     -> 28.45 on two, `ab_decode.py --set quant.R4K.pieces 2 1`); each 4 sub-blocks' scales and mins a word of bytes
     made from the packed words (`_k4_scales_mins`). R5K (Q5_K, the file's 176 bytes): [d, dmin][scales and
-    mins][8 words of fifth bits, a sub-block's each][8 x 4 words of nibbles], in halves (whole, a matvec was 3-4 %
-    slower while the machine scheduler spilled it; compiled without it, as decode programs now are, whole blocks
-    measured 1-6 % faster, not yet adopted)."""
+    mins][8 words of fifth bits, a sub-block's each][8 x 4 words of nibbles], whole too: against halves, a Q5_K_M
+    1B shape's decode on an AMX Xeon 15.68 -> 17.48 tok/s on one thread, 28.89 -> 31.39 on two (`ab_decode.py
+    --set quant.R5K.pieces 2 1`, 5 rounds, though its VNNI loop stores 5 vectors to the stack; halves had been
+    faster while decode programs ran LLVM's machine scheduler, which spilled the whole block more)."""
     pieces = 1
     fifth = None
     integer_tiles = True
@@ -591,7 +592,6 @@ class R4K(Affine4):
 
 class R5K(R4K):
     fifth = 16
-    pieces = 2
 
 
 class R2K(Interleaved):
