@@ -29,6 +29,10 @@ ROTATION_BYTES = 64 << 20  # the copies of a kernel's streamed buffer one measur
 # be 480 MB, 64 MB of copies streamed at 29 GB/s on one thread whichever the prefetch, while from memory (1 GB) the
 # candidates ranked as they do in decode steps, 14.0-16.0 GB/s (the deep prefetch the slowest)
 CACHE_MULTIPLE = 1.5
+# but no more copies than this: a program of more launches costs more to make than its runs measure (a 36 KB
+# matrix's 20,000 copies of 720 MB took 5 s a tag, against 64 MB's 0.5), and a model whose largest matrix of a
+# layout is that small is read from the caches anyway
+MAX_COPIES = 2048
 ROUNDS = 15  # each candidate's runs, alternated (a run streams 64 MB: 2-3 ms; a noisy moment must not decide)
 # but no more rounds than fit in BUDGET_S once each candidate has run MIN_ROUNDS times: where memory is slow (a
 # shared Xeon's 64 MB at 5 GB/s: 13 ms a run), 15 rounds of 4 candidates took 0.6-1.1 s a tag, a fifth of the cold
@@ -83,7 +87,8 @@ class _Probe:
     def __init__(self, dev, k, variants):
         self.dev, self.k, self.bufs = dev, k, []
         streamed = _streamed(k)
-        copies = max(2, max(ROTATION_BYTES, int(CACHE_MULTIPLE * dev.cache_bytes)) // _buffer_bytes(k, streamed))
+        rotation = max(ROTATION_BYTES, int(CACHE_MULTIPLE * dev.cache_bytes))
+        copies = min(MAX_COPIES, max(2, rotation // _buffer_bytes(k, streamed)))
         try:
             for p in k.buffers:
                 for _ in range(copies if p == streamed else 1):

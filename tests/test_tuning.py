@@ -92,15 +92,20 @@ def test_tuning_streams_the_weights_not_a_larger_input(cpu):
 
 def test_tuning_copies_exceed_the_largest_cache(cpu, monkeypatch):
     """Where the CPU's largest cache could hold ROTATION_BYTES of copies (a Xeon's L3, said to be 480 MB), they
-    exceed it CACHE_MULTIPLE times: read from its L3 the candidates tied, from memory they ranked as in decode."""
+    exceed it CACHE_MULTIPLE times: read from its L3 the candidates tied, from memory they ranked as in decode. A
+    matrix so small that it would take more than MAX_COPIES copies takes that many."""
     assert cpu.cache_bytes == runtime.largest_cache() >= 0
     monkeypatch.setattr(cpu, "cache_bytes", 2 * tuning.ROTATION_BYTES)
-    probe = tuning._Probe(cpu, matvec(), [{"prefetch": ()}])
-    try:
-        weights = [b.nbytes for p, b in probe.bufs if p == "w"]
-        assert sum(weights) > tuning.CACHE_MULTIPLE * cpu.cache_bytes - weights[0]
-    finally:
-        probe.free()
+    for k, tiny in ((matvec(), False), (matvec(16, 256), True)):  # 553 KB; 2.5 KB
+        probe = tuning._Probe(cpu, k, [{"prefetch": ()}])
+        try:
+            weights = [b.nbytes for p, b in probe.bufs if p == "w"]
+            if tiny:
+                assert len(weights) == tuning.MAX_COPIES
+            else:
+                assert sum(weights) > tuning.CACHE_MULTIPLE * cpu.cache_bytes - weights[0]
+        finally:
+            probe.free()
 
 
 def test_tuning_measures_within_its_budget_but_never_fewer_than_min_rounds(cpu, monkeypatch):
