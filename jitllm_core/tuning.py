@@ -29,11 +29,11 @@ ROTATION_BYTES = 64 << 20  # the copies of a kernel's streamed buffer one measur
 # be 480 MB, 64 MB of copies streamed at 29 GB/s on one thread whichever the prefetch, while from memory (1 GB) the
 # candidates ranked as they do in decode steps, 14.0-16.0 GB/s (the deep prefetch the slowest)
 CACHE_MULTIPLE = 1.5
-# but no more copies than this: a program of more launches costs more to make than its runs measure (a 36 KB
-# matrix's 20,000 copies of 720 MB took 5 s a tag, against 64 MB's 0.5), and a model whose largest matrix of a
-# layout is that small is read from the caches anyway
+# but no more copies than this: a program's launches cost time to make and run (a 36 KB matrix's 20,000 copies of
+# 720 MB took 5.2 s a tag, 2,048 of them 2.1 s), and a model whose largest matrix of a layout is that small is read
+# from the caches anyway
 MAX_COPIES = 2048
-ROUNDS = 15  # each candidate's runs, alternated (a run streams 64 MB: 2-3 ms; a noisy moment must not decide)
+ROUNDS = 15  # each candidate's runs, alternated (a run of 64 MB: 2-3 ms; a noisy moment must not decide)
 # but no more rounds than fit in BUDGET_S once each candidate has run MIN_ROUNDS times: where memory is slow (a
 # shared Xeon's 64 MB at 5 GB/s: 13 ms a run), 15 rounds of 4 candidates took 0.6-1.1 s a tag, a fifth of the cold
 # start; a longer run is less at the mercy of a brief pause anyway
