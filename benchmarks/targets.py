@@ -20,7 +20,7 @@ from startup import start_seconds  # noqa: E402
 from jitllm_core.bench import run_bench  # noqa: E402
 
 # (model name, prompt tokens, decode steps, repeats): the Reproduce list's bench commands
-RUNS = [("SmolLM2", 37, 64, 5), ("SmolLM2", 256, 32, 3), ("1B shape", 32, 16, 3), ("1B shape", 256, 8, 2)]
+RUNS = [("SmolLM2", 37, 64, 5), ("SmolLM2", 256, 32, 3), ("1B shape", 32, 16, 3), ("1B shape", 256, 8, 3)]
 DECODE_RATIO = {"SmolLM2": 1.5, "1B shape": 1.2}  # decode tok/s against llama.cpp's, at least
 BANDWIDTH = 0.80  # the 1B shape's decode: bytes per token x tok/s against the read bandwidth beside the run
 PROMPT_RATIO, PROMPT_TOKENS = 1.0, 256  # prompt tok/s against llama.cpp's, for prompts of this length
