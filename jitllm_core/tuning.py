@@ -36,8 +36,9 @@ MAX_COPIES = 2048
 ROUNDS = 15  # each candidate's runs, alternated (a run of 64 MB: 2-3 ms; a noisy moment must not decide)
 # but no more rounds than fit in BUDGET_S once each candidate has run MIN_ROUNDS times: where memory is slow (a
 # shared Xeon's 64 MB at 5 GB/s: 13 ms a run), 15 rounds of 4 candidates took 0.6-1.1 s a tag, a fifth of the cold
-# start; a longer run is less at the mercy of a brief pause anyway
-BUDGET_S, MIN_ROUNDS = 0.3, 5
+# start; a longer run is less at the mercy of a brief pause anyway (over copies past a 480 MB L3, 45 ms a run: the
+# 1B shape's two tags measured in 2.7-3.2 s with 5 rounds, 1.8-2.4 s with 3, each of 3 tries choosing the same)
+BUDGET_S, MIN_ROUNDS = 0.3, 3
 # the least a candidate's best run must beat the default's by to replace it: candidates within the noise of one
 # another (a Zen 5's R4 matvecs on two threads: 1.26-1.38 ms for all three prefetches, their order changing from
 # one measurement to the next) keep the default, chosen by measuring whole steps (docs/benchmarks.md)
