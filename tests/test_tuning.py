@@ -31,6 +31,14 @@ def module_text(k, prefetch, width=None, isa=None):
                            {"prefetch": prefetch})
 
 
+def vnni_decode_loop(name):
+    """(layout, its 2048 x 8192 decode matvec's innermost loop) compiled for an Ice Lake server (VNNI, GFNI), as a
+    decode step's program compiles it: streamed, so prefetched; tuned, so without the machine scheduler
+    (runtime.machine_scheduled)."""
+    fmt = quant.packed_format(quant.get_format(name, 8192), 2048)
+    return fmt, assembly.product_loop(assembly.assembly(ops.matmul(fmt, 2048, 8192, 1), "icelake-server", False))
+
+
 @pytest.fixture
 def fresh_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("JITLLM_CACHE_DIR", str(tmp_path))
@@ -88,6 +96,15 @@ def test_tuning_streams_the_weights_not_a_larger_input(cpu):
         assert copies["w"] > 1 and copies["xq"] == 1
     finally:
         probe.free()
+
+
+def test_largest_cache_is_read_from_what_linux_says(tmp_path):
+    """Each cache's size as sysfs writes it (K, M or G), the largest taken; what does not parse is passed over."""
+    for index, size in (("index0", "48K"), ("index2", "2048K"), ("index3", "480M"), ("index4", "n/a")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    assert runtime.largest_cache(tmp_path) == 480 << 20
+    assert runtime.largest_cache(tmp_path / "none") == 0
 
 
 def test_tuning_copies_exceed_the_largest_cache(cpu, monkeypatch):
@@ -280,9 +297,7 @@ def test_vnni_decode_loops_take_each_digit_product_once_in_registers(name):
     dot4 layout's decode loop makes the products of each weight with each input digit in one `vpdpbusd` apiece
     (16 lanes of 4: 64 a instruction), none by the AVX2 fallback, and keeps its values in registers: a change made
     for AVX2 must not cost the machines the targets were met on."""
-    fmt = quant.packed_format(quant.get_format(name, 8192), 2048)  # streamed: prefetched as in a step
-    # as a decode step's program compiles it: tuned, so without the machine scheduler (runtime.machine_scheduled)
-    body = assembly.product_loop(assembly.assembly(ops.matmul(fmt, 2048, 8192, 1), "icelake-server", False))
+    fmt, body = vnni_decode_loop(name)
     mnemonics = [x.split()[0] for x in body]
     weights = fmt.block * quant.ROWS // fmt.pieces
     assert mnemonics.count("vpdpbusd") == quant.DIGITS * weights // 64
@@ -295,8 +310,7 @@ def test_high_nibbles_take_one_instruction_where_the_cpu_has_gfni():
     """A nibble word's high nibbles, (q >> 4) & 0x0F0F0F0F, are its bytes shifted: one `vgf2p8affineqb` on a CPU
     with GFNI (an Ice Lake server's, compiled here) for the shift and mask's two (R4K's decode loop 591 -> 558
     instructions a block, the 1B shape's decode 14.46 -> 15.24 tok/s on one thread on an AMX Xeon)."""
-    fmt = quant.packed_format(quant.get_format("Q4_K", 8192), 2048)
-    body = assembly.product_loop(assembly.assembly(ops.matmul(fmt, 2048, 8192, 1), "icelake-server", False))
+    fmt, body = vnni_decode_loop("Q4_K")
     mnemonics = [x.split()[0] for x in body]
     words = fmt.block * quant.ROWS // 8 // 16  # nibble words a block of 16 rows, 16 to a vector
     assert mnemonics.count("vgf2p8affineqb") >= words and mnemonics.count("vpsrld") < words, mnemonics

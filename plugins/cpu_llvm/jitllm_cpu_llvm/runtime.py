@@ -61,11 +61,12 @@ ISA = ("avx512vnni", "avxvnni", "avx512vl", "avx512bw", "avx2", "ssse3", "amx-ti
 AMX = {"amx-tile", "amx-int8"}
 
 
-def largest_cache():
-    """Bytes of this CPU's largest cache, as Linux says (0 where it does not)."""
+@functools.cache
+def largest_cache(caches=Path("/sys/devices/system/cpu/cpu0/cache")):
+    """Bytes of this CPU's largest cache, as Linux says in `caches` (0 where it does not): read once a process."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     sizes = []
-    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+    for f in caches.glob("index*/size"):
         text = f.read_text().strip()
         if text[:-1].isdigit() and text[-1] in units:
             sizes.append(int(text[:-1]) * units[text[-1]])
