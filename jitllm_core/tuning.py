@@ -92,9 +92,10 @@ class _Probe:
         copies = min(MAX_COPIES, max(2, rotation // _buffer_bytes(k, streamed)))
         try:
             for p in k.buffers:
-                for _ in range(copies if p == streamed else 1):
+                filler = _filler(k.buffers[p])  # one for every copy: each made anew took 1.4-2 s of the 1B shape's
+                for _ in range(copies if p == streamed else 1):  # cold start (fresh pages for each)
                     self.bufs.append((p, dev.alloc(_buffer_bytes(k, p))))
-                    dev.upload(self.bufs[-1][1], _filler(k.buffers[p]))
+                    dev.upload(self.bufs[-1][1], filler)
         except BackendError:
             self.free()
             raise
