@@ -263,6 +263,52 @@ class Dot4Sum:
         return self.acc
 
 
+_PURE = ("add", "sub", "mul", "sdiv", "srem", "udiv", "urem", "and_", "or_", "xor", "shl", "lshr", "ashr", "fadd",
+         "fsub", "fmul", "fdiv", "frem", "fneg", "neg", "not_", "icmp_signed", "icmp_unsigned", "fcmp_ordered",
+         "fcmp_unordered", "select", "sext", "zext", "trunc", "bitcast", "fpext", "fptrunc", "sitofp", "uitofp",
+         "fptosi", "fptoui", "gep", "extract_element", "insert_element", "shuffle_vector")
+
+
+def _operand_key(a):
+    """What makes an instruction's operand the same as another's: a constant's type and value, a type's text, any
+    other value itself."""
+    if isinstance(a, L.Constant):
+        return str(a.type), _operand_key(a.constant)
+    if isinstance(a, L.Type):
+        return str(a)
+    if isinstance(a, (list, tuple)):
+        return tuple(_operand_key(x) for x in a)
+    return a if isinstance(a, (int, float, str, bool, type(None))) else id(a)
+
+
+class _Builder(L.IRBuilder):
+    """An IRBuilder that makes each pure instruction once a basic block: asked again for one with the same operands,
+    it returns the first. The IR's unrolled bodies compute the same addresses and fields many times over (a 6-bit
+    embedding row's module had 76,000 instructions, a third of them repeats), and every copy costs lowering, text
+    and LLVM's parse. Instructions are only ever appended at a block's end, so the first one dominates each reuse."""
+
+    def __init__(self, block):
+        super().__init__(block)
+        self.made = {}
+
+
+def _memoized(name):
+    make = getattr(L.IRBuilder, name)
+
+    def method(self, *args, **kw):
+        kw.pop("name", None)
+        key = (self.block, name, _operand_key(args), _operand_key(sorted(kw.items())))
+        v = self.made.get(key)
+        if v is None:
+            v = self.made[key] = make(self, *args, **kw)
+        return v
+    return method
+
+
+for _name in _PURE:
+    setattr(_Builder, _name, _memoized(_name))
+
+
 class KernelLowering:
     def __init__(self, module: L.Module, kernel: ir.Kernel, width: int, isa=frozenset(), options=None, name=None):
         self.k, self.W, self.isa = kernel, width, isa
@@ -273,7 +319,7 @@ class KernelLowering:
         # allocas live in their own entry block so that two builders never insert into one block
         self.alloca_b = L.IRBuilder(self.fn.append_basic_block("entry"))
         self.start = self.fn.append_basic_block("start")
-        self.b = L.IRBuilder(self.start)
+        self.b = _Builder(self.start)
         a = self.fn.args
         nb, ns = len(kernel.buffers), len(kernel.scalars)
         self.ptrs = dict(zip(kernel.buffers, a[:nb]))
