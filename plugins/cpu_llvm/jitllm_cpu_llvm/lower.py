@@ -273,11 +273,14 @@ def _operand_key(a):
     """What makes an instruction's operand the same as another's: a constant's type and value, a type's text, any
     other value itself."""
     if isinstance(a, L.Constant):
-        return str(a.type), _operand_key(a.constant)
+        c = a.constant
+        if isinstance(c, list):  # a vector's: scalar constants, or their values
+            c = tuple(x.constant if isinstance(x, L.Constant) else x for x in c)
+        return str(a.type), c
+    if isinstance(a, (list, tuple)):
+        return tuple(map(_operand_key, a))
     if isinstance(a, L.Type):
         return str(a)
-    if isinstance(a, (list, tuple)):
-        return tuple(_operand_key(x) for x in a)
     return a if isinstance(a, (int, float, str, bool, type(None))) else id(a)
 
 
@@ -1188,7 +1191,9 @@ class KernelLowering:
         """Drop the body's evaluated values that read buf: a store to it may change what a later load reads
         (values from other buffers -- a block's scales, say -- stay shared)."""
         if buf in self.loaded:
-            self.memo = {key: v for key, v in self.memo.items() if key == PREFETCHED or buf not in self.reads(v[0])}
+            known = self.read_sets  # (reads(e) inlined where it is known: a tile matmul's stores made 400,000 calls)
+            self.memo = {key: v for key, v in self.memo.items()
+                         if key == PREFETCHED or buf not in (known[key][1] if key in known else self.reads(v[0]))}
 
     def reads(self, e):
         """The buffers expression e loads from (each node's set computed once: a block's hundreds of stores each
