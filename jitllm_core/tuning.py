@@ -109,8 +109,8 @@ class _Probe:
     def fastest(self):
         """Index of the fastest variant (`choose`): each one's best of ROUNDS runs (or of those that fit in
         BUDGET_S, at least MIN_ROUNDS), the variants alternated."""
-        for prog in self.programs:
-            prog.run(self.k.tune_scalars)  # compiled and warm
+        for prog in self.programs:  # compiled (a run to warm them took 0.45 s of the default model's cold start
+            prog.ready()              # over 720 MB of copies, and a round's first run is no slower than its others)
         times = [[] for _ in self.programs]
         until = time.perf_counter() + BUDGET_S
         for r in range(ROUNDS):
