@@ -92,8 +92,8 @@ class _Probe:
         copies = min(MAX_COPIES, max(2, rotation // _buffer_bytes(k, streamed)))
         try:
             for p in k.buffers:
-                filler = _filler(k.buffers[p])  # one for every copy: each made anew took 1.4-2 s of the 1B shape's
-                for _ in range(copies if p == streamed else 1):  # cold start (fresh pages for each)
+                filler = _filler(k.buffers[p])  # one for every copy: one made anew for each, on fresh pages, took
+                for _ in range(copies if p == streamed else 1):  # 0.16-1.7 s of the default model's cold start
                     self.bufs.append((p, dev.alloc(_buffer_bytes(k, p))))
                     dev.upload(self.bufs[-1][1], filler)
         except BackendError:
@@ -109,8 +109,10 @@ class _Probe:
     def fastest(self):
         """Index of the fastest variant (`choose`): each one's best of ROUNDS runs (or of those that fit in
         BUDGET_S, at least MIN_ROUNDS), the variants alternated."""
-        for prog in self.programs:  # compiled (a run to warm them took 0.45 s of the default model's cold start
-            prog.ready()              # over 720 MB of copies, and a round's first run is no slower than its others)
+        # compiled, not run to warm them (that run over 720 MB of copies took 0.45 s of the default model's cold
+        # start): each candidate's best round decides, so a slow first one is outvoted
+        for prog in self.programs:
+            prog.ready()
         times = [[] for _ in self.programs]
         until = time.perf_counter() + BUDGET_S
         for r in range(ROUNDS):
