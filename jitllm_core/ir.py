@@ -506,6 +506,11 @@ class _Block:
 def check(k: Kernel):
     """Type-check a kernel and enforce the placement rules above; raises IRError."""
     env = {s: "i32" for s in k.scalars}
+    # node id -> (node, the env it was checked in, its dtype): a kernel's expressions share subexpressions (a tile
+    # matmul's 1.27 million visits were of 3,357 statements' trees; the 1B shape's 26 kernels took 0.49 s of every
+    # start to check). An env only gains names, so a node checked in it stays checked, unless a name is bound
+    # again to another dtype (then `st` forgets them all).
+    checked = {}
 
     def ex(e, env):
         if isinstance(e, Const):
@@ -514,6 +519,14 @@ def check(k: Kernel):
             if e.name not in env:
                 raise IRError(f"{k.name}: unknown name {e.name!r}")
             return env[e.name]
+        seen = checked.get(id(e))
+        if seen is not None and seen[1] is env:
+            return seen[2]
+        dtype = _ex(e, env)
+        checked[id(e)] = (e, env, dtype)
+        return dtype
+
+    def _ex(e, env):
         if isinstance(e, Load):
             if e.buf not in k.buffers:
                 raise IRError(f"{k.name}: unknown buffer {e.buf!r}")
@@ -573,7 +586,10 @@ def check(k: Kernel):
             elif isinstance(s, (Let, Local)):
                 if s.name in k.scalars:  # backends bind scalars once per launch; a Let cannot rebind one
                     raise IRError(f"{k.name}: {type(s).__name__.lower()} {s.name!r} shadows the scalar parameter")
-                env[s.name] = ex(s.value if isinstance(s, Let) else s.init, env)
+                dtype = ex(s.value if isinstance(s, Let) else s.init, env)
+                if env.get(s.name, dtype) != dtype:
+                    checked.clear()
+                env[s.name] = dtype
             elif isinstance(s, Assign):
                 if s.name not in env:
                     raise IRError(f"{k.name}: assign to unknown {s.name!r}")

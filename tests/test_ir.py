@@ -62,6 +62,30 @@ def test_ir_rejects_malformed_kernels():
         k.finish()
 
 
+def test_a_shared_subexpression_is_checked_in_each_scope_it_is_used_in():
+    """The check visits a node shared by several statements once a scope: used again outside the loop whose
+    variable it reads, or after a name it reads is bound again to another type, it is an error still."""
+    k = ir.Kernel("shared")
+    k.buffer("x", "f32", 8, True)
+    with k.parallel("i", 4) as i:
+        with k.loop("j", 2) as j:
+            e = (i * 2 + j) * 1
+            k.store("x", e, 1.0)
+        k.store("x", e, 2.0)  # j is out of scope here
+    with pytest.raises(ir.IRError, match="unknown name 'j'"):
+        k.finish()
+    k = ir.Kernel("rebound")
+    k.buffer("x", "f32", 8, True)
+    with k.parallel("i", 4) as i:
+        a = k.let("a", i + 1)
+        e = (a * 2) + 1
+        k.store("x", e, 1.0)
+        k.let("a", ir.f32(i) + 0.5)  # a is an f32 from here on: the same index no longer type-checks
+        k.store("x", e, 2.0)
+    with pytest.raises(ir.IRError, match="mul of f32 and i32"):
+        k.finish()
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cpu_matches_interpreter(cpu, case):
     build, scalars = CASES[case]
