@@ -250,15 +250,12 @@ class Engine:
                     ds.weights[name][1] += 1
                     taken.append(name)
                     continue
-                interleave = self._interleaves(dev_name)
-                buf = ds.arena.alloc(self.model.tensor_bytes(name, unit, interleave))
+                data = self.model.host_data(name, unit, interleave=self._interleaves(dev_name))  # validates too
+                buf = ds.arena.alloc(data.nbytes)
                 ds.weights[name] = [buf, 1]
                 taken.append(name)
-                view = buf.host_view()  # a host-visible device's buffer: repacked in place, not copied in
-                data = self.model.host_data(name, unit, interleave=interleave, out=view)
-                if data is not view:
-                    ds.dev.upload(buf, data)
-                moved += buf.nbytes
+                ds.dev.upload(buf, data)
+                moved += data.nbytes
         except Exception:
             self._drop_weights(unit, dev_name, taken)
             raise
