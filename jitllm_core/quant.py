@@ -577,8 +577,8 @@ class R4K(Affine4):
 
     def block_dot(self, k, buf, at, inp, piece):
         """d and dmin multiplied in once a piece, the mins' products with the input's sums a chain of multiply-adds
-        (as `Affine4.block_dot` does it, 3 more instructions a sub-block; the 1B shape's decode on an AMX Xeon 15.44
-        -> 15.70 tok/s on one thread, 30.13 / 29.94 on two, `ab_decode.py`, 5 rounds)"""
+        (`Affine4.block_dot` scales each sub-block's terms apart, 3 instructions a sub-block more; the 1B shape's
+        decode on an AMX Xeon 15.44 -> 15.70 tok/s on one thread, 30.13 / 29.94 on two, `ab_decode.py`, 5 rounds)"""
         d, dmin, subs = self.integer_subs(k, buf, at, piece)
         dots = [F(sc) * _nibble_dot(k, buf, at, off, inp, e0, fifth) for sc, _, off, fifth, e0 in subs]
         mins = [t for _, mn, _, _, e0 in subs for t in (F(mn) * inp.sum(e0), F(mn) * inp.sum(e0 + 16))]

@@ -92,8 +92,10 @@ class _Probe:
         copies = min(MAX_COPIES, max(2, rotation // _buffer_bytes(k, streamed)))
         try:
             for p in k.buffers:
-                filler = _filler(k.buffers[p])  # one for every copy: one made anew for each, on fresh pages, took
-                for _ in range(copies if p == streamed else 1):  # 0.16-1.7 s of the default model's cold start
+                # one filler for all the copies: one made anew for each, on fresh pages, took 0.16-1.7 s of the
+                # default model's cold start
+                filler = _filler(k.buffers[p])
+                for _ in range(copies if p == streamed else 1):
                     self.bufs.append((p, dev.alloc(_buffer_bytes(k, p))))
                     dev.upload(self.bufs[-1][1], filler)
         except BackendError:
