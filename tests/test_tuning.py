@@ -1,7 +1,8 @@
 """Lowering options tuned by measurement (jitllm_core.tuning): the CPU's prefetch of streamed weights; and what the
 CPU lowering emits for a decode matvec's streamed weights (a prefetch per line, each input broadcast used at once;
 on a VNNI CPU, compiled from any x86 host, each product in one instruction and no spills); and the attention's
-loops (each key or value vector widened once for all the heads that share it)."""
+loops (each key or value vector widened once for all the heads that share it); and the memory that weights stream
+from (huge pages)."""
 import collections
 import re
 
@@ -105,6 +106,28 @@ def test_largest_cache_is_read_from_what_linux_says(tmp_path):
         (tmp_path / index / "size").write_text(size + "\n")
     assert runtime.largest_cache(tmp_path) == 480 << 20
     assert runtime.largest_cache(tmp_path / "none") == 0
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_HUGEPAGE"), reason="no madvise(MADV_HUGEPAGE) here")
+def test_a_large_buffer_starts_on_a_huge_page_and_asks_for_huge_pages(cpu):
+    """A buffer of a huge page or more starts on a huge page's boundary, reads as zeros, and its mapping carries
+    the kernel's huge page advice (VmFlags "hg"); a small one is only aligned for vectors."""
+    from jitllm_cpu_llvm.runtime import HUGE_PAGE
+    big, small = cpu.alloc(3 * HUGE_PAGE + 4096), cpu.alloc(4096)
+    try:
+        assert big.addr % HUGE_PAGE == 0 and small.addr % 64 == 0
+        assert not big.host_view().any()
+        flags, inside = None, False
+        for line in open("/proc/self/smaps"):
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(a, 16) for a in head.split("-"))
+                inside = lo <= big.addr < hi
+            elif inside and head == "VmFlags:":
+                flags = line.split()[1:]
+        assert flags is not None and "hg" in flags
+    finally:
+        cpu.free(big), cpu.free(small)
 
 
 def test_tuning_copies_exceed_the_largest_cache(cpu, monkeypatch):
