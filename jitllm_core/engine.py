@@ -250,12 +250,15 @@ class Engine:
                     ds.weights[name][1] += 1
                     taken.append(name)
                     continue
-                data = self.model.host_data(name, unit, interleave=self._interleaves(dev_name))  # validates too
-                buf = ds.arena.alloc(data.nbytes)
+                interleave = self._interleaves(dev_name)
+                buf = ds.arena.alloc(self.model.tensor_bytes(name, unit, interleave))
                 ds.weights[name] = [buf, 1]
                 taken.append(name)
-                ds.dev.upload(buf, data)
-                moved += data.nbytes
+                view = buf.host_view()  # a host-visible device's buffer: repacked in place, not copied in
+                data = self.model.host_data(name, unit, interleave=interleave, out=view)
+                if data is not view:
+                    ds.dev.upload(buf, data)
+                moved += buf.nbytes
         except Exception:
             self._drop_weights(unit, dev_name, taken)
             raise

@@ -200,11 +200,12 @@ class Llama:
             w.update({p + n: ((c.dim,), True) for n in ("post_attention_norm.weight", "post_ffw_norm.weight")})
         return w
 
-    def host_data(self, name, unit, keep=False, interleave=True):
+    def host_data(self, name, unit, keep=False, interleave=True, out=None):
         """A weight's bytes as a device holds it: f32 for norms and biases; quantized tensors in the layout
         self.fmt names (quant.repack, one tensor at a time; a view of the mapped file where it is the file's).
         keep: the result is read again later (a streamed unit's weights are copied from host memory every step),
-        so it is a memory-mapped file in the cache rather than a copy in memory."""
+        so it is a memory-mapped file in the cache rather than a copy in memory. out: uint8 bytes (a device
+        buffer's host view) that a repacked tensor is written into, and returned, instead of new memory."""
         shape, as_f32 = self.weight_shapes(unit)[name]
         if as_f32 and name == "output_norm.weight" and self.cfg.logit_scale != 1.0:
             # Granite's logits divided by its logits_scaling: the final norm's weight divided instead (logits are
@@ -217,7 +218,7 @@ class Llama:
         if packed is fmt:
             return raw
         if not keep:
-            return repack(fmt, raw, shape[0])
+            return repack(fmt, raw, shape[0], out)
         if packed.name not in self._held.get(name, {}):
             st = os.stat(self.mf.path)
             key = digest(os.path.abspath(self.mf.path), st.st_size, st.st_mtime_ns, name, packed.name, LAYOUTS)

@@ -935,10 +935,10 @@ def _pool():
     return concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="jitllm-repack")
 
 
-def repack(fmt: Format, raw: np.ndarray, rows: int) -> np.ndarray:
+def repack(fmt: Format, raw: np.ndarray, rows: int, out=None) -> np.ndarray:
     """raw bytes of fmt's blocks (a tensor of `rows` rows) -> the same values in packed_format(fmt, rows)'s
-    layout (uint8). Whole row groups are packed on every core at once (NumPy releases the GIL), each thread's a
-    cache's worth at a time: a model's load is mostly this."""
+    layout (uint8), into `out` if given (when it repacks). Whole row groups are packed on every
+    core at once (NumPy releases the GIL), each thread's a cache's worth at a time: a model's load is mostly this."""
     packed = packed_format(fmt, rows)
     if packed is fmt:
         return raw
@@ -947,7 +947,7 @@ def repack(fmt: Format, raw: np.ndarray, rows: int) -> np.ndarray:
     step = ROWS * max(1, REPACK_PART_BYTES // (ROWS * per_row * fmt.unit))  # rows a call of pack takes
     n = max(1, min(os.cpu_count() or 1, groups))
     bounds = [ROWS * (groups * i // n) for i in range(n + 1)]
-    out = np.empty(rows * per_row * packed.unit, np.uint8)
+    out = np.empty(rows * per_row * packed.unit, np.uint8) if out is None else out
 
     def part(i):
         for r0 in range(bounds[i], bounds[i + 1], step):

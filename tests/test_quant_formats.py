@@ -70,6 +70,17 @@ def test_repacked_layout_holds_the_same_values(cpu, name, monkeypatch):
     assert_packed_layout_holds_the_values(cpu, name)
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_repack_writes_into_the_bytes_it_is_given(name):
+    """A device buffer's host view takes the repacked tensor as it is (the engine's load: no copy to upload)."""
+    rows, cols = 48, 768
+    w, _ = random_tensor(name, rows, cols, np.random.default_rng(3))
+    fmt = quant.get_format(name, cols)
+    out = np.full(quant.packed_format(fmt, rows).nbytes(rows, cols), 0xAB, np.uint8)
+    assert quant.repack(fmt, w, rows, out) is out
+    np.testing.assert_array_equal(out, quant.repack(fmt, w, rows))
+
+
 def assert_packed_layout_holds_the_values(cpu, name):
     """The load-time repacking changes no value: dequantized on the device, the packed tensor equals gguf's
     reference exactly; its matmul (a dot4 layout's reads the input as quantize_input writes it) equals the
