@@ -4,6 +4,7 @@ on a VNNI CPU, compiled from any x86 host, each product in one instruction and n
 loops (each key or value vector widened once for all the heads that share it); and the memory that weights stream
 from (huge pages)."""
 import collections
+import mmap
 import re
 
 import llvmlite.binding as llvm
@@ -108,7 +109,7 @@ def test_largest_cache_is_read_from_what_linux_says(tmp_path):
     assert runtime.largest_cache(tmp_path / "none") == 0
 
 
-@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_HUGEPAGE"), reason="no madvise(MADV_HUGEPAGE) here")
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no madvise(MADV_HUGEPAGE) here")
 def test_a_large_buffer_starts_on_a_huge_page_and_asks_for_huge_pages(cpu):
     """A buffer of a huge page or more starts on a huge page's boundary, reads as zeros, and its mapping carries
     the kernel's huge page advice (VmFlags "hg"); a small one is only aligned for vectors."""

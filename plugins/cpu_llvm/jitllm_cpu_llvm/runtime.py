@@ -198,8 +198,9 @@ class Workers:
 HUGE_PAGE = 2 << 20
 # a buffer of a huge page or more is its own private mapping, its pages asked to be huge from a huge page's boundary
 # on (the rest of the last stays small pages: rounding it up would cost up to 2 MB a tensor). Weights on 4 KB pages
-# cost a decode a TLB miss per page read; what calloc's mapping got of huge pages varied with the load's pattern
-# (repacked straight into the buffer: 356 MB of the 1B shape's weights; copied in: 664). Madvised, 660 MB either
+# cost a decode a TLB miss per page read. NumPy's arrays are advised too, but from wherever they start: each
+# tensor's first and last partial 2 MB stayed small, and what the weights got varied with the load's pattern
+# (repacked straight into the buffer: 356 MB of the 1B shape's; copied in: 664). From a boundary, 660 MB either
 # way, and the 1B shape's decode (bench --no-llama-cpp, 2 pairs alternated): 19.6 -> 20.4 tok/s on one thread,
 # 36.3-37.0 -> 37.9 on two
 
@@ -214,7 +215,7 @@ class CpuBuffer(Buffer):
             off = (-raw.ctypes.data) % HUGE_PAGE
             try:
                 self.map.madvise(mmap.MADV_HUGEPAGE, off, nbytes + HUGE_PAGE - off)
-            except OSError:  # a kernel without transparent huge pages: small pages, as calloc's would be
+            except OSError:  # a kernel without transparent huge pages: small pages, as NumPy's would be
                 pass
         else:
             raw = np.zeros(nbytes + 128, np.uint8)
