@@ -198,7 +198,7 @@ class Workers:
 HUGE_PAGE = 2 << 20
 # a buffer of a huge page or more is its own private mapping, its pages asked to be huge from a huge page's boundary
 # on (the rest of the last stays small pages: rounding it up would cost up to 2 MB a tensor). Weights on 4 KB pages
-# cost a decode a TLB miss per page read. NumPy's arrays are advised too, but from wherever they start: each
+# can cost a decode a TLB miss per page read. NumPy's arrays are advised too, but from wherever they start: each
 # tensor's first and last partial 2 MB stayed small, and what the weights got varied with the load's pattern
 # (repacked straight into the buffer: 356 MB of the 1B shape's; copied in: 664). From a boundary, 660 MB either
 # way, and the 1B shape's decode (bench --no-llama-cpp, 2 pairs alternated): 19.6 -> 20.4 tok/s on one thread,
