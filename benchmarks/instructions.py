@@ -2,7 +2,7 @@
 tiles, as LLVM emits them for this CPU or for a named one (`--cpu icelake-server`: a VNNI machine's loops, compiled
 here, not run): how many, of which kinds, the matvecs' prefetches per distance of lower.PREFETCH (one per cache
 line the loop reads), their vector registers spilled (stores to the stack), and where `llvm-mca` is installed its
-estimate of the loop's cycles per iteration for that CPU: the counts docs/benchmarks.md quotes.
+estimate of the loop's cycles per iteration for that CPU: the counts docs/benchmarks-history.md quotes.
 
     python benchmarks/instructions.py [--cpu NAME]    (with --cpu, the matvecs only)
 """

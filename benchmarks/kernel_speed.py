@@ -157,7 +157,7 @@ def fma_peak(threads=1, iterations=20_000_000, lookups=0):
     cores of a shared machine need not run at one speed). lookups (AVX-512): that many of the chains instead look
     products up (`vpermps` of a vector of 16 multiples by 16 indices, then an add) -- exact products of a 4-bit
     weight without a multiply -- and their products count as multiply-adds: whether the lookups' pipes add to the
-    multiply-adds' (docs/benchmarks.md, thirty-third session)."""
+    multiply-adds' (docs/benchmarks-history.md, thirty-third session)."""
     W = runtime.simd_width()
     chains = 16 if W == 16 else 12
     v, fma = f"<{W} x float>", f"@llvm.fma.v{W}f32"

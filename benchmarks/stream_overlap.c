@@ -1,7 +1,7 @@
 /* How well a core overlaps a streamed read with vector work on it, with and without one software prefetch per
    cache line: 1 GB read once, each 64-byte line feeding `ops` pmaddubsw/paddw pairs (the density of a quantized
    decode matvec: R4K's loop is ~60 instructions a line), on 1 and 2 threads. What pointed at the AVX2 lowering's
-   prefetch fault (docs/benchmarks.md, fourteenth session): a loop like this streams faster with the prefetch.
+   prefetch fault (docs/benchmarks-history.md, fourteenth session): a loop like this streams faster with the prefetch.
 
        gcc -O2 -mavx2 -fopenmp -o /tmp/overlap benchmarks/stream_overlap.c && /tmp/overlap
 */

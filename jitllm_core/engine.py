@@ -30,7 +30,8 @@ from .tokenizer import StreamDecoder
 # tokens per step (prefill chunk): a prefill matmul dequantizes each block of weights once a step, for all its
 # tokens. 128 against 64 (benchmarks/ab_decode.py --prompt-tokens 256 --set engine.STEP_TOKENS 64 128): the 1B
 # shape 108.3 -> 113.3 tok/s on one thread; 256 gained 1.5 % more for twice the activations' memory, whose
-# attention scores and logits grow with the step (224 MB at 128 for the 1B at 8192 positions; docs/benchmarks.md)
+# attention scores and logits grow with the step (224 MB at 128 for the 1B at 8192 positions;
+# docs/benchmarks-history.md)
 STEP_TOKENS = 128
 PAGE = 16          # positions per KV page
 DEFAULT_CONTEXT = 8192  # KV positions reserved when the caller does not say (models may allow far more)

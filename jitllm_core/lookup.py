@@ -7,7 +7,7 @@ A step of 2 tokens costs more than one of 1 (1.2-1.3x, SmolLM2 on 1-2 threads; o
 generation drafts only while its drafts have been right often enough: every draft's first token is scored
 against the token the model chose, checked or not (`Drafter`). Replayed on greedy replies of SmolLM2 to eight
 tasks with those costs, the gates below kept every reply at >= 1.00x and gained up to 1.5x on one thread
-(docs/benchmarks.md)."""
+(docs/benchmarks-history.md)."""
 
 SPECULATE = 3   # draft tokens a decode step checks at most, by default (`Engine(speculate=)`)
 NGRAM = (3, 2)  # suffix lengths matched, longest first: a single token repeats by chance too often to pay

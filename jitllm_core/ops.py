@@ -105,7 +105,7 @@ def head_rmsnorm(n_heads: int, head_dim: int, T: int, eps: float) -> ir.Kernel:
 
 # tokens a tile of the int8 mode's prefill matmuls dots at once (`matmul(tokens=...)`): on a Zen 5, engines built
 # each way in one process, alternated, the 1B shape's 256-token prompt ran 149 tok/s token by token, 202 in tiles
-# of 2, 218 of 4, 210 of 8 (docs/benchmarks.md)
+# of 2, 218 of 4, 210 of 8 (docs/benchmarks-history.md)
 INT8_TOKENS = 4
 
 
@@ -636,7 +636,7 @@ def exp(x):
 
 # pages ahead whose keys (and values) of its KV head attention prefetches, into L2: 2 KB (f16) of each 16 KB pool
 # page, where the hardware's prefetchers fell behind (the 1B shape's 16 attention launches of a decode step at
-# 3,000 positions, one thread: 13.5 -> 7.2 ms; 2 pages ahead, or into L1, 7.7-8.1; docs/benchmarks.md)
+# 3,000 positions, one thread: 13.5 -> 7.2 ms; 2 pages ahead, or into L1, 7.7-8.1; docs/benchmarks-history.md)
 KV_AHEAD = 4
 SCORE_CHAINS = 8  # multiply-add chains of the scores of a KV head's group of heads (each head's split in parts)
 

@@ -2,14 +2,14 @@
 
 What suits one CPU does not suit another: software prefetches of streamed weights speed every decode matvec of an
 Ice Lake and an Emerald Rapids up, and a Zen 3's 4-bit ones, while its 6-bit one streams faster without them on two
-threads (docs/benchmarks.md). So a device may offer candidates for such an option, and before the engine compiles a
-device's programs each kernel tag (ir.Kernel.tune_as) among them gets the fastest: the tag's kernel with the most
-weights, compiled with each combination of candidates, runs over copies of its weights (else its largest buffer) that
-together exceed the caches (as a step streams its weights from memory), the candidates alternated round by round;
-each one's best round decides (a busy moment only adds time), and only by a margin against the default. The choice
-is recorded per machine, device configuration, version of the device's lowering (`Device.lowering`: other code,
-other timings), of this code, and tag (a tag's kernels share their inner loop: the first model's largest one
-speaks for them).
+threads (docs/benchmarks-history.md). So a device may offer candidates for such an option, and before the engine
+compiles a device's programs each kernel tag (ir.Kernel.tune_as) among them gets the fastest: the tag's kernel
+with the most weights, compiled with each combination of candidates, runs over copies of its weights (else its
+largest buffer) that together exceed the caches (as a step streams its weights from memory), the candidates
+alternated round by round; each one's best round decides (a busy moment only adds time), and only by a margin
+against the default. The choice is recorded per machine, device configuration, version of the device's lowering
+(`Device.lowering`: other code, other timings), of this code, and tag (a tag's kernels share their inner loop: the
+first model's largest one speaks for them).
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ ROUNDS = 15  # each candidate's runs, alternated (a run of 64 MB: 2-3 ms; a nois
 BUDGET_S, MIN_ROUNDS = 0.3, 3
 # the least a candidate's best run must beat the default's by to replace it: candidates within the noise of one
 # another (a Zen 5's R4 matvecs on two threads: 1.26-1.38 ms for all three prefetches, their order changing from
-# one measurement to the next) keep the default, chosen by measuring whole steps (docs/benchmarks.md)
+# one measurement to the next) keep the default, chosen by measuring whole steps (docs/benchmarks-history.md)
 MARGIN = 0.03
 RULES = digest(Path(__file__).read_bytes())  # this code: what other code measured is measured again
 FORCED = {}  # option -> index of the candidate every tag gets whatever was measured (benchmarks/ab_decode.py)

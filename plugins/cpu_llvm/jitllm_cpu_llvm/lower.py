@@ -61,7 +61,7 @@ PREFETCH_DEEP = ((4096, 3), (16384, 1), (32768, 1))
 PREFETCH_FAR = ((12288, 3), (24576, 1))
 # "large": a matrix streamed from DRAM in a decode step, however small (a step reads the whole model, which does
 # not stay in the caches): SmolLM2's 69-207 KB projections too, whose threads' short streams the hardware's
-# prefetcher barely starts on (two threads' decode +2-6 %, one thread's unchanged: docs/benchmarks.md)
+# prefetcher barely starts on (two threads' decode +2-6 %, one thread's unchanged: docs/benchmarks-history.md)
 PREFETCH_MIN = 32 << 10
 # a parallel loop that streams no weights and has at most this many iterations a thread (a decode step's ropes,
 # norms, input quantizations, attention heads) is cut into even contiguous shares, nothing claimed: its claimed
