@@ -21,7 +21,7 @@ from .cache import cache_dir, digest, write_atomic
 from .errors import ModelFileError
 from .kvcache import SEQUENCES, window_pages
 from .modelfile import ModelFile, SpecFile
-from .quant import ROWS, get_format, packed_format, repack
+from .quant import BLOCK_WORDS, ROWS, get_format, packed_format, repack, repack_kernel
 
 # a packed file is as new as the code that wrote it: its layout's, and the loader's (which reorders some rows)
 LAYOUTS = digest(*(Path(m.__file__).read_bytes() for m in (quant, modelfile)))
@@ -227,6 +227,17 @@ class Llama:
                 write_atomic(path, repack(fmt, raw, shape[0]).tobytes())
             self._held.setdefault(name, {})[packed.name] = np.memmap(path, np.uint8, mode="r")
         return self._held[name][packed.name]
+
+    def repacking(self, name, unit, interleave=True):
+        """(the IR kernel that repacks the weight on a device, the file's bytes of it) where its layout's words are
+        written once for NumPy and the IR (`quant.BLOCK_WORDS`); else None (`host_data` gives its bytes)."""
+        shape, as_f32 = self.weight_shapes(unit)[name]
+        if as_f32:
+            return None
+        fmt = self._file_format(name, shape)
+        if fmt.name not in BLOCK_WORDS or self.fmt(name, shape, interleave) is fmt:
+            return None
+        return repack_kernel(fmt, shape[0], shape[-1]), self.mf.tensor(name, shape).raw()
 
     def tensor_bytes(self, name, unit, interleave=True):
         """Bytes of a weight as a device holds it (norms and biases become f32)."""

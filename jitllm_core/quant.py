@@ -798,25 +798,6 @@ def _signed6(low, high):
     return ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).view(np.uint8)
 
 
-_NIBBLES, _CRUMBS = np.uint64(0x0F0F0F0F0F0F0F0F), np.uint64(0x0303030303030303)  # a field in each byte of a word
-
-
-def _u64(a):
-    """Bytes (n, 8 m) -> (n, m) little-endian 64-bit words: the packers' bit fields are moved 8 bytes at a time."""
-    return np.ascontiguousarray(a).view("<u8")
-
-
-def _k_nibbles(qs):
-    """A k-quant's 128 bytes of nibbles (each 32 bytes: sub-block 2p in the low nibbles, 2p + 1 in the high) -> a
-    sub-block's 16 bytes each, element j low and j + 16 high, as `_nibble_dot` reads them."""
-    qs = _u64(qs).reshape(-1, 4, 4)                 # [p][word]: words 0-1 hold elements 0-15, words 2-3 16-31
-    out = np.empty((len(qs), 4, 2, 2), "<u8")       # [p][sub-block 2p + h][word]
-    lo, hi = qs[:, :, :2], qs[:, :, 2:]
-    out[:, :, 0] = (lo & _NIBBLES) | ((hi & _NIBBLES) << np.uint64(4))
-    out[:, :, 1] = ((lo >> np.uint64(4)) & _NIBBLES) | (hi & ~_NIBBLES)
-    return out.view(np.uint8).reshape(-1, 128)
-
-
 def _crumb_words(qs):
     """Q2_K's and Q3_K's 64 bytes of 2-bit q (bits 2j of byte 32 n + 16 h + l: element l of sub-block 8n + 2j + h)
     -> a word per sub-block, bits 2i of byte j for its element 4i + j (`R2K.crumbs`)."""
@@ -832,10 +813,6 @@ def _pack_q4_0(b, rows):
 
 def _pack_q4_1(b, rows):
     return _words(rows, b)
-
-
-def _pack_q4_k(b, rows):
-    return _words(rows, np.concatenate([b[:, 0:16], _k_nibbles(b[:, 16:144])], axis=1))
 
 
 def _fifth_words(h):
@@ -863,7 +840,8 @@ def _pack_q5_1(b, rows):
 def _pack_q5_k(b, rows):
     qh = b[:, 16:48]  # bit s of byte j: element j of sub-block s
     h = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
-    return _words(rows, np.concatenate([b[:, 0:16], _fifth_words(h), _k_nibbles(b[:, 48:176])], axis=1))
+    nibbles = _word_bytes(b, lambda word, half: _k_nibble_words(word, 48))
+    return _words(rows, np.concatenate([b[:, 0:16], _fifth_words(h), nibbles], axis=1))
 
 
 def _pack_q2_k(b, rows):
@@ -889,18 +867,90 @@ def _pack_q3_k(b, rows):
                                         _crumb_words(b[:, 32:96]), bits.astype("<u4").view(np.uint8)], axis=1))
 
 
-def _pack_q6_k(b, rows):
-    ql, qh = _u64(b[:, :128]).reshape(-1, 2, 2, 4), _u64(b[:, 128:192]).reshape(-1, 2, 4)  # [n][i][word], [n][word]
-    q = np.empty((len(b), 2, 4, 4), "<u8")        # [n][c][word]: elements 128 n + 32 c + 8 word ..
-    q[:, :, :2], q[:, :, 2:] = ql & _NIBBLES, (ql >> np.uint64(4)) & _NIBBLES
-    for c in range(4):
-        q[:, :, c] |= ((qh >> np.uint64(2 * c)) & _CRUMBS) << np.uint64(4)
-    q = q.view("<u4").reshape(-1, 16, 4)           # [s][k]: elements 16 s + 4 k + j, a byte each
-    words = np.empty((len(b), 16, 3), "<u4")  # word k, byte j: element 16 s + 4 k + j | bits 2k of 16 s + 12 + j << 6
-    for k in range(3):
-        words[:, :, k] = q[:, :, k] | ((q[:, :, 3] >> np.uint32(2 * k)) & np.uint32(0x03030303)) << np.uint32(6)
-    return _words(rows, np.concatenate([_d_word(b, 208), b[:, 192:208], words.view(np.uint8).reshape(-1, 192)],
-                                       axis=1))
+# Layouts whose words are each an expression of the file block's 32-bit words (`BLOCK_WORDS`): written once, run by
+# NumPy over every block at once (`_np_words`) or as an IR kernel on the device that holds the weights
+# (`repack_kernel`). word(off): the block's word at byte off (a multiple of 4); half(off): its 16 bits at byte off.
+# Every right shift is masked, so an arithmetic shift (the IR's) and a logical one (NumPy's) agree.
+
+def _k_nibble_words(word, off):
+    """A k-quant's 128 bytes of nibbles at byte off (each 32 bytes: sub-block 2p in the low nibbles, 2p + 1 in the
+    high) -> 32 words, a sub-block's 16 bytes each, element j low and j + 16 high, as `_nibble_dot` reads them."""
+    out = []
+    for p in range(4):
+        lo = [word(off + 32 * p + 4 * m) for m in range(4)]       # elements 0-15 of sub-blocks 2p, 2p + 1
+        hi = [word(off + 32 * p + 16 + 4 * m) for m in range(4)]  # their elements 16-31
+        out += [(a & NIBBLES) | ((z & NIBBLES) << 4) for a, z in zip(lo, hi)]
+        out += [((a >> 4) & NIBBLES) | (((z >> 4) & NIBBLES) << 4) for a, z in zip(lo, hi)]
+    return out
+
+
+def _q4_k_words(word, half):
+    return [word(4 * i) for i in range(4)] + _k_nibble_words(word, 16)
+
+
+def _q6_k_words(word, half):
+    """[d, 2 zero bytes][16 scales][per sub-block of 16 elements 3 words (`R6`)] from the file's ql (low nibbles),
+    qh (top 2 bits), scales and d: element e's 6 bits from ql byte 64 h + 32 (c % 2) + l (its low nibble for c < 2)
+    and qh byte 32 h + l (bits 2c), e = 128 h + 32 c + l."""
+    out = [half(208), *(word(192 + 4 * i) for i in range(4))]
+    for s in range(16):
+        q = []  # word w: elements 16 s + 4 w .. + 3, a byte each
+        for w in range(4):
+            e = 16 * s + 4 * w
+            h, c, l = e // 128, e % 128 // 32, e % 32
+            low = word(64 * h + 32 * (c % 2) + l)
+            q.append((low if c < 2 else low >> 4) & NIBBLES | ((word(128 + 32 * h + l) >> 2 * c) & 0x03030303) << 4)
+        out += [q[w] | ((q[3] >> 2 * w) & 0x03030303) << 6 for w in range(3)]
+    return out
+
+
+# Q4_1's R4 is the file's words, which NumPy moves at the memory's speed: no kernel to compile for it
+BLOCK_WORDS = {"Q4_K": _q4_k_words, "Q6_K": _q6_k_words}
+
+
+def _np_words(b, block_words):
+    """block_words over blocks b (n, unit bytes) at once: each word an (n,) uint32 array."""
+    n, unit = b.shape
+    if unit % 4:
+        b = np.concatenate([b, np.zeros((n, -unit % 4), np.uint8)], axis=1)
+    planar = np.ascontiguousarray(np.ascontiguousarray(b).view("<u4").T)  # [word][block]
+    return block_words(lambda off: planar[off // 4], lambda off: (planar[off // 4] >> 8 * (off % 4)) & 0xFFFF)
+
+
+def _word_bytes(b, block_words):
+    """block_words' words of blocks b, as (n, 4 x words) bytes."""
+    return np.stack(_np_words(b, block_words), axis=1).astype("<u4").view(np.uint8)
+
+
+def _word_packer(block_words):
+    return lambda b, rows: _words(rows, _word_bytes(b, block_words))
+
+
+@functools.cache  # kernels are immutable once finished
+def repack_kernel(fmt: Format, rows: int, cols: int) -> ir.Kernel:
+    """The kernel that writes a tensor of fmt (`rows` x `cols`) in packed_format(fmt, rows)'s layout, for a format
+    of BLOCK_WORDS: "raw", the file's bytes as words (and one more: a block may end mid-word), "out" the layout's
+    words. The rows of a group are a vector's lanes, as the layout stores them."""
+    nb, words = cols // fmt.block, packed_format(fmt, rows).unit // 4
+    k = ir.Kernel(f"repack_{fmt.name}_{rows}x{cols}")
+    k.buffer("raw", "i32", rows * nb * fmt.unit // 4 + 1)
+    k.buffer("out", "i32", rows * nb * words, write=True)
+    with k.parallel("g", rows // ROWS) as g, k.loop("b", nb) as b, k.loop("r", ROWS, "vector") as r:
+        at = k.let("at", ((g * ROWS + r) * nb + b) * fmt.unit)  # the block's first byte
+        loaded = {}
+
+        def word(off):  # each word loaded once; a block that starts mid-word (Q6_K's 210 bytes) has its words
+            if off not in loaded:  # from two
+                w = k.load("raw", (at >> 2) + off // 4)
+                if fmt.unit % 4:
+                    after = k.load("raw", (at >> 2) + off // 4 + 1)
+                    w = ir.select((at & 3) == 0, w, ((w >> 16) & 0xFFFF) | (after << 16))
+                loaded[off] = k.let(f"w{off}", w)
+            return loaded[off]
+        half = lambda off: (word(off - off % 4) >> 8 * (off % 4)) & 0xFFFF
+        for j, w in enumerate(BLOCK_WORDS[fmt.name](word, half)):
+            k.store("out", ((g * nb + b) * words + j) * ROWS + r, w)
+    return k.finish()
 
 
 def _pack_iq4_xs(b, rows):
@@ -912,9 +962,9 @@ def _pack_iq4_xs(b, rows):
 
 REPACK = {"Q8_0": ("R8", _pack_q8_0), "Q4_0": ("R40", _pack_q4_0), "Q4_1": ("R4", _pack_q4_1),
           "Q5_0": ("R50", _pack_q5_0), "Q5_1": ("R5", _pack_q5_1),
-          "Q2_K": ("R2K", _pack_q2_k), "Q3_K": ("R3K", _pack_q3_k), "Q4_K": ("R4K", _pack_q4_k),
+          "Q2_K": ("R2K", _pack_q2_k), "Q3_K": ("R3K", _pack_q3_k), "Q4_K": ("R4K", _word_packer(_q4_k_words)),
           "Q5_K": ("R5K", _pack_q5_k),
-          "Q6_K": ("R6", _pack_q6_k), "IQ4_NL": ("R4NL", _pack_q4_0), "IQ4_XS": ("R4XS", _pack_iq4_xs)}
+          "Q6_K": ("R6", _word_packer(_q6_k_words)), "IQ4_NL": ("R4NL", _pack_q4_0), "IQ4_XS": ("R4XS", _pack_iq4_xs)}
 
 
 def packed_format(fmt: Format, rows: int) -> Format:

@@ -3,10 +3,13 @@
 levels (IQ4_XS, and IQ4_NL: IQ4_XS's fallback) through the engine
 against HF transformers on the same file (the layouts' kernels alone: test_quant_formats, and as a VNNI machine runs them:
 test_other_cpus)."""
+import numpy as np
 import pytest
 
 import jitllm_core as jl
 from jitllm_core import quantize
+from jitllm_core.errors import BackendError
+from jitllm_core.memory import Arena
 from reference import step_and_prompt_errors
 from test_model import PROMPTS
 
@@ -55,6 +58,42 @@ def engine(cpu, k_quant_model):
     eng = jl.Engine(k_quant_model, devices=["cpu"], kv_dtype="f32")
     yield eng
     eng.close()
+
+
+def weight_bytes(eng):
+    (ds,) = eng.dev_state.values()
+    return {n: b.host_view().copy() for n, (b, _) in ds.weights.items()}
+
+
+def test_weights_repacked_by_the_device_or_on_the_host_are_the_same(cpu, k_quant_model, monkeypatch):
+    """The CPU repacks the Q4_K and Q6_K matrices with the core's kernels (`Engine._repack`); where its memory has no
+    room for a unit's file bytes beside its weights, NumPy repacks them on the host: the same bytes."""
+    real_alloc, real_repack, by_kernel, no_room = Arena.alloc, jl.Engine._repack, [], []
+
+    def repack(eng, ds, unit, interleave, weights):
+        by_kernel.extend(name for name, *_ in weights)
+        return real_repack(eng, ds, unit, interleave, weights)
+
+    def alloc(arena, nbytes):
+        if no_room:
+            raise BackendError("no room (the test's)")
+        return real_alloc(arena, nbytes)
+
+    def repack_without_room(eng, *args):
+        no_room.append(True)
+        try:
+            return real_repack(eng, *args)
+        finally:
+            no_room.pop()
+    monkeypatch.setattr(jl.Engine, "_repack", repack)
+    by_device = weight_bytes(jl.Engine(k_quant_model, devices=["cpu"]))
+    assert {"blk.0.ffn_down.weight", "blk.1.ffn_down.weight"} <= set(by_kernel)  # Q4_K, Q6_K
+    monkeypatch.setattr(Arena, "alloc", alloc)
+    monkeypatch.setattr(jl.Engine, "_repack", repack_without_room)
+    on_host = weight_bytes(jl.Engine(k_quant_model, devices=["cpu"]))
+    assert by_device.keys() == on_host.keys()
+    for n in by_device:
+        np.testing.assert_array_equal(by_device[n], on_host[n], err_msg=n)
 
 
 def test_model_has_the_formats_meant(k_quant_model):

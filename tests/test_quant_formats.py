@@ -81,6 +81,30 @@ def test_repack_writes_into_the_bytes_it_is_given(name):
     np.testing.assert_array_equal(out, quant.repack(fmt, w, rows))
 
 
+def repack_kernel_case(name, rows, cols, seed=5):
+    """(kernel, buffers, NumPy's repacking) of a BLOCK_WORDS format's repack kernel on random blocks: the file's bytes
+    as words, one more word past them (a block may end mid-word) filled with junk."""
+    w, _ = random_tensor(name, rows, cols, np.random.default_rng(seed))
+    fmt = quant.get_format(name, cols)
+    k = quant.repack_kernel(fmt, rows, cols)
+    raw = np.full(k.buffers["raw"].size * 4, 0xA5, np.uint8)
+    raw[:w.size] = w
+    out = np.zeros(k.buffers["out"].size, np.int32)
+    return k, {"raw": raw.view(np.int32), "out": out}, quant.repack(fmt, w, rows)
+
+
+# 3 blocks of 256 a row: a Q6_K row of 630 bytes, so every other row starts mid-word
+@pytest.mark.parametrize("rows, cols", [(32, 768), (16, 256)])
+@pytest.mark.parametrize("name", sorted(quant.BLOCK_WORDS))
+def test_repack_kernel_writes_what_numpy_writes(cpu, name, rows, cols):
+    """The layouts written once for NumPy and the IR (`quant.BLOCK_WORDS`): the IR kernel a device repacks with,
+    on the reference interpreter and on the CPU, writes NumPy's bytes."""
+    k, bufs, want = repack_kernel_case(name, rows, cols)
+    got = interp.run(k, {n: a.copy() for n, a in bufs.items()})["out"]
+    np.testing.assert_array_equal(got.view(np.uint8), want)
+    np.testing.assert_array_equal(run_on_device(cpu, k, bufs, {})["out"].view(np.uint8), want)
+
+
 def assert_packed_layout_holds_the_values(cpu, name):
     """The load-time repacking changes no value: dequantized on the device, the packed tensor equals gguf's
     reference exactly; its matmul (a dot4 layout's reads the input as quantize_input writes it) equals the

@@ -82,6 +82,15 @@ def test_format_row_dots_match_gguf(dev, name, wide):
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_repack_kernel_writes_what_numpy_writes(dev, name):
+    """A device repacks its weights with the core's kernels (`quant.repack_kernel`): lavapipe interleaves, as a CPU
+    of few threads; Q6_K's rows of 630 bytes start mid-word every other row."""
+    from test_quant_formats import repack_kernel_case
+    k, bufs, want = repack_kernel_case(name, 32, 768)
+    np.testing.assert_array_equal(run_on_device(dev, k, bufs, {})["out"].view(np.uint8), want)
+
+
 @big_buffers
 def test_half_conversions_round_to_nearest_even(dev):
     """f32 -> f16/bf16 stores (ties, subnormals, overflow, inf/nan) and every f16 bit pattern loaded back."""
