@@ -82,6 +82,9 @@ def test_format_row_dots_match_gguf(dev, name, wide):
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.skipif("JITLLM_VULKAN_MAX_RANGE" in os.environ,
+                    reason="the raw bytes at a 256-byte range need more descriptors than a shader may have (the engine "
+                           "then repacks on the host, `Engine._repack`)")
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
 def test_repack_kernel_writes_what_numpy_writes(dev, name):
     """A device repacks its weights with the core's kernels (`quant.repack_kernel`): lavapipe interleaves, as a CPU
