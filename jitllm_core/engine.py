@@ -260,14 +260,15 @@ class Engine:
                 if repacking:
                     by_kernel.append((name, buf, *repacking))
                 else:
-                    self._host_repack(ds, name, unit, interleave, buf)
+                    self._upload_from_host(ds, name, unit, interleave, buf)
             self._repack(ds, unit, interleave, by_kernel)
         except Exception:
             self._drop_weights(unit, dev_name, taken)
             raise
         return moved
 
-    def _host_repack(self, ds, name, unit, interleave, buf):
+    def _upload_from_host(self, ds, name, unit, interleave, buf):
+        """A weight's bytes as `Llama.host_data` gives them (repacked by NumPy where its layout needs it) into buf."""
         view = buf.host_view()  # a host-visible device's buffer: repacked in place, not copied in
         data = self.model.host_data(name, unit, interleave=interleave, out=view)
         if data is not view:
@@ -286,8 +287,8 @@ class Engine:
                 launches = [Launch(k, {"raw": s, "out": buf}) for (_, buf, k, _), s in zip(weights, scratch)]
                 ds.dev.program(launches).run({})
         except BackendError:  # no room for the file's bytes beside the weights, or kernels the device cannot run
-            for name, buf, _, _ in weights:  # (a Vulkan device's small storage ranges): NumPy's on the host
-                self._host_repack(ds, name, unit, interleave, buf)
+            for name, buf, _, _ in weights:  # (storage ranges too small for them): NumPy's on the host
+                self._upload_from_host(ds, name, unit, interleave, buf)
         finally:
             for b in scratch:
                 ds.arena.free(b)

@@ -919,7 +919,7 @@ def _np_words(b, block_words):
 
 def _word_bytes(b, block_words):
     """block_words' words of blocks b, as (n, 4 x words) bytes."""
-    return np.stack(_np_words(b, block_words), axis=1).astype("<u4").view(np.uint8)
+    return np.stack(_np_words(b, block_words), axis=1).astype("<u4", copy=False).view(np.uint8)
 
 
 def _word_packer(block_words):
