@@ -112,21 +112,21 @@ class Bin(Expr):
     op: str
     a: Expr
     b: Expr
+    # set once: as a property it was worked out again down the whole left spine of a chain of sums at every use
+    dtype: str = field(init=False, repr=False)
 
-    @property
-    def dtype(self):
-        return "bool" if self.op in COMPARE or self.op in LOGIC else self.a.dtype
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", "bool" if self.op in COMPARE or self.op in LOGIC else self.a.dtype)
 
 
 @dataclass(frozen=True, eq=False)
 class Un(Expr):
     op: str
     a: Expr
+    dtype: str = field(init=False, repr=False)  # set once, as Bin's
 
-    @property
-    def dtype(self):
-        res = UNARY[self.op][1]
-        return res or self.a.dtype
+    def __post_init__(self):  # an unknown op is `check`'s to report
+        object.__setattr__(self, "dtype", UNARY.get(self.op, (None, None))[1] or self.a.dtype)
 
 
 @dataclass(frozen=True, eq=False)
@@ -634,11 +634,21 @@ def dump(k: Kernel) -> str:
     out += [f"  {b.name}: {b.dtype}[{b.size}]{' rw' if b.write else ''}" for b in k.buffers.values()]
     out += [f"  {s}: i32" for s in k.scalars] + [")"]
 
+    # an expression's text, by node: a kernel's trees share subexpressions (the 1B shape's 33 kernels' 7.4 MB of
+    # text are 1.29 million visits of 4,459 statements' trees without it)
+    text = {}
+
     def ex(e):
-        if isinstance(e, Const):
-            return f"{e.value!r}:{e.dtype}"
         if isinstance(e, Var):
             return e.name
+        s = text.get(id(e))
+        if s is None:
+            s = text[id(e)] = _ex(e)
+        return s
+
+    def _ex(e):
+        if isinstance(e, Const):
+            return f"{e.value!r}:{e.dtype}"
         if isinstance(e, Load):
             return f"{e.buf}[{ex(e.index)}]"
         if isinstance(e, Bin):

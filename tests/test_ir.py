@@ -421,3 +421,27 @@ def test_prefetch_is_a_hint_of_a_buffer_the_kernel_has():
         bad.prefetch("x", i, 1)
     with pytest.raises(ir.IRError, match="unknown buffer 'x'"):
         bad.finish()
+
+
+def test_shared_subexpressions_print_and_type_as_their_trees():
+    """A kernel's text (its cache key's input) spells a shared subexpression out wherever it is used, as the same
+    tree built twice would be; an unknown operator is `check`'s error, not one of building the expression."""
+    def kernel(shared):
+        k = ir.Kernel("shared")
+        k.buffer("x", "f32", 8), k.buffer("y", "f32", 8, True)
+        with k.parallel("i", 8) as i:
+            term = lambda: k.load("x", i) * 2.0 + 1.0
+            t = term()
+            k.store("y", i, t * t if shared else term() * term())
+        return k.finish()
+
+    assert ir.dump(kernel(True)) == ir.dump(kernel(False))
+    assert kernel(True).key() == kernel(False).key()
+    assert ir.Bin("lt", ir.Const(1.0, "f32"), ir.Const(2.0, "f32")).dtype == "bool"
+    for op in (ir.Un("cube", ir.Const(1.0, "f32")), ir.Bin("pow", ir.Const(1.0, "f32"), ir.Const(2.0, "f32"))):
+        k = ir.Kernel("bad_op")
+        k.buffer("y", "f32", 1, True)
+        with k.parallel("i", 1):
+            k.store("y", 0, op)
+        with pytest.raises(ir.IRError, match="unknown"):
+            k.finish()
