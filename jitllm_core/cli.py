@@ -427,13 +427,16 @@ def cmd_bench(args) -> int:
               llama_cpp=args.llama_cpp, activations=args.activations)
     if args.profile:
         from .engine import Engine
+        from .planner import multiply_add_peak
         from .profile import print_profile, profile_decode
         for threads in args.threads:
             eng = Engine(model=args.model, devices=args.device, threads=threads, kv_dtype=args.kv_dtype,
                          activations=args.activations)
+            on = {seg.device for seg in eng.segments}  # a peak to weigh the prefill's matmuls against: one device's
+            peak = multiply_add_peak(eng.devices[on.pop()]) if len(on) == 1 else None
             for tokens, what in ((1, "decode step"), (eng.model.T, f"prefill step of {eng.model.T} tokens")):
                 print(f"\nprofile: {what}, {threads} thread(s)")
-                print_profile(*profile_decode(eng, step_tokens=tokens))
+                print_profile(*profile_decode(eng, step_tokens=tokens), peak=peak if tokens > 1 else None)
             eng.close()
     return 0
 

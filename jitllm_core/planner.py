@@ -37,6 +37,41 @@ def bandwidth_meter(dev, rows=4096):
         dev.free(y)
 
 
+def multiply_add_kernel(slices, chains=16, columns=4096, lanes=16) -> ir.Kernel:
+    """y[s, l] = sum over chains i of sum_c x[c] * (l + i) / 1000: each lane of each of `slices` parallel iterations
+    runs `chains` independent sums of products, an input value a column (one broadcast, from cache) times a
+    multiplier of each chain's -- the prefill matmul's register tile without its weight loads."""
+    k = ir.Kernel(f"multiply_add_peak_{slices}_c{chains}_x{columns}")
+    k.buffer("x", "f32", columns), k.buffer("y", "f32", slices * lanes, True)
+    with k.parallel("s", slices) as s:
+        with k.loop("l", lanes, "vector") as l:
+            ms = [k.let(f"m{i}", ir.f32(l + i) * 1e-3) for i in range(chains)]
+            # one after another: the lowering runs sibling sums in one loop, each chain's multiply-adds beside the others'
+            sums = [k.let(f"s{i}", ir.reduce("add", "c", columns, lambda c, m=m: k.load("x", c) * m, "serial"))
+                    for i, m in enumerate(ms)]
+            total = sums[0]
+            for v in sums[1:]:
+                total = total + v
+            k.store("y", s * lanes + l, total)
+    k.flops = lambda n_tokens: 2 * slices * lanes * chains * columns
+    return k.finish()
+
+
+def multiply_add_peak(dev, runs=5, slices=256):
+    """FLOP/s of a device's f32 multiply-adds at their peak (the best of `runs` of `multiply_add_kernel`, on all
+    its threads or workgroups): what bounds the exact mode's prefill matmuls where no matrix unit runs them."""
+    k = multiply_add_kernel(slices)
+    x, y = dev.alloc(k.buffers["x"].size * 4), dev.alloc(k.buffers["y"].size * 4)
+    try:
+        dev.upload(x, np.ones(k.buffers["x"].size, np.float32))
+        prog = dev.program([Launch(k, {"x": x, "y": y})])
+        prog.run({})
+        return k.flops(1) / min(seconds(lambda: prog.run({})) for _ in range(runs))
+    finally:
+        dev.free(x)
+        dev.free(y)
+
+
 def read_bandwidth(dev, rows=4096, runs=3):
     """The best of `runs` measurements of `bandwidth_meter`."""
     with bandwidth_meter(dev, rows) as measure:

@@ -1,5 +1,6 @@
 """Per-kernel profile of one step (a decode step, or a prefill step of several tokens): the time of every kernel,
-its weight bytes and GB/s, and a prefill matmul's GFLOP/s, next to the whole-step time.
+its weight bytes and GB/s, and a prefill matmul's GFLOP/s (and its share of the device's multiply-add peak, where
+that is measured: `planner.multiply_add_peak`), next to the whole-step time.
 
 Where the device can time launches inside one program (Device.timed_program), the step's launches run in order
 as in the step, with a barrier after each: weights come from memory as they do in a step, and the kernels' sum
@@ -77,7 +78,9 @@ def _launch_seconds(dev, launches, values, repeats):
     return out, ON_ITS_OWN
 
 
-def print_profile(rows, whole, how, file=None):
+def print_profile(rows, whole, how, file=None, peak=None):
+    """The rows of `profile_decode` by kernel; peak: FLOP/s of the device's multiply-adds, for a column of each
+    kernel's share of it (above 100 %: matrix units, or integer dots, do its products)."""
     by_kernel = {}
     for u, name, s, b, f in rows:
         kind = "_".join(name.split("_")[:3]) if name.startswith(("matmul", "gemm")) else name.split("_")[0]
@@ -87,9 +90,13 @@ def print_profile(rows, whole, how, file=None):
         agg[2] += b
         agg[3] += f
     total = sum(r[2] for r in rows)
-    print(f"{'kernel':32} {'calls':>5} {'ms':>8} {'share':>6} {'MB':>8} {'GB/s':>7} {'GFLOP/s':>8}", file=file)
+    print(f"{'kernel':32} {'calls':>5} {'ms':>8} {'share':>6} {'MB':>8} {'GB/s':>7} {'GFLOP/s':>8}"
+          + (f" {'% of peak':>9}" if peak else ""), file=file)
     for kind, (n, s, b, f) in sorted(by_kernel.items(), key=lambda kv: -kv[1][1]):
         print(f"{kind:32} {n:5d} {s * 1e3:8.3f} {s / total:6.1%} {b / 1e6:8.2f} {b / s / 1e9 if b else 0:7.1f}"
-              f" {f / s / 1e9 if f else 0:8.1f}", file=file)
+              f" {f / s / 1e9 if f else 0:8.1f}" + (f" {f / s / peak:9.0%}" if peak and f else ""), file=file)
     print(f"sum of kernels {total * 1e3:.3f} ms; whole step {whole * 1e3:.3f} ms; "
           f"outside kernels {max(0.0, whole - total) * 1e3:.3f} ms ({how})", file=file)
+    if peak:
+        print(f"the device's f32 multiply-add peak: {peak / 1e9:.1f} GFLOP/s (independent chains of multiply-adds "
+              "from cache, on the same threads)", file=file)

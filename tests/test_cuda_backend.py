@@ -269,10 +269,11 @@ def test_wide_row_dots_match_interpreter(name):
 @pytest.mark.skipif(not emu.available(), reason="no g++ for the host emulation")
 @pytest.mark.parametrize("name", ["attention_f16", "attention_wide", "attention_window", "attention_wide_window",
                                   "attention_softcap", "attention_wide_softcap", "gelu_mul", "softcap",
-                                  "head_rmsnorm"])
+                                  "head_rmsnorm", "multiply_add_peak"])
 def test_attention_matches_interpreter(name):
     """Attention in both forms (the paged one, and the one GPUs get: a lane per position, then per dimension),
-    windowed and capped, Qwen3's per-head norms of its queries and keys, Gemma's GELU and capped logits."""
+    windowed and capped, Qwen3's per-head norms of its queries and keys, Gemma's GELU and capped logits, and the
+    bench's multiply-add meter."""
     from test_ir import op_examples, op_inputs
     k, scalars = op_examples()[name]
     assert_matches_interpreter(emu.EmuDevice(), k, op_inputs(k), scalars, rtol=1e-4, atol=1e-4)

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from backend_check import assert_matches_interpreter, run_on_device
 from ir_cases import CASES, inputs_for
-from jitllm_core import interp, ir, ops, quant
+from jitllm_core import interp, ir, ops, planner, quant
 
 
 def matvec_kernel(rows, cols, kind):
@@ -181,6 +181,8 @@ def op_examples():
         "attention_wide_softcap": (ops.attention(4, 2, 8, T, page, n_pages, n_pages, "f32", wide=True, scale=0.25,
                                                  softcap=2.0), {"pos": 5, "n_tokens": 3, "t0": 0}),
         "embed_scaled": (ops.embed(quant.FORMATS["Q8_0"], 5, 64, T, scale=8.0), {"n_tokens": 2}),
+        # not a model's op: the kernel `jitllm bench --profile` measures a device's multiply-add peak with
+        "multiply_add_peak": (planner.multiply_add_kernel(3, chains=4, columns=40), {}),
     }
 
 
@@ -445,3 +447,16 @@ def test_shared_subexpressions_print_and_type_as_their_trees():
             k.store("y", 0, op)
         with pytest.raises(ir.IRError, match="unknown"):
             k.finish()
+
+
+def test_multiply_add_meter_sums_its_chains_and_counts_their_flops(cpu):
+    """planner.multiply_add_peak's kernel computes what its docstring says (on the interpreter; the backends against
+    it among the op examples), its flops are its products and sums, and the peak it measures is as many FLOP/s."""
+    k = planner.multiply_add_kernel(3, chains=4, columns=40)
+    x = np.random.default_rng(0).standard_normal(40).astype(np.float32)
+    bufs = {"x": x, "y": np.zeros(3 * 16, np.float32)}
+    want = sum((np.arange(16) + i) * np.float32(1e-3) for i in range(4)) * x.sum(dtype=np.float64)
+    np.testing.assert_allclose(interp.run(k, {n: a.copy() for n, a in bufs.items()}, {})["y"], np.tile(want, 3),
+                               rtol=1e-4, atol=1e-5)
+    assert k.flops(1) == 2 * 3 * 16 * 4 * 40
+    assert planner.multiply_add_peak(cpu, runs=1, slices=2) > 1e8

@@ -1,4 +1,6 @@
 """SmolLM2 through the engine on the CPU against HF transformers on the same GGUF."""
+import io
+
 import numpy as np
 import pytest
 
@@ -252,7 +254,7 @@ def test_token_ids_outside_the_vocabulary_are_refused(engines):
 def test_profile_times_every_launch_and_counts_weight_bytes(engines):
     """`jitllm bench --profile`'s numbers: one row per launch of the step, each timed (in sequence, on a CPU), the
     bytes of the matmuls' weights equal to the packed tensors the engine holds, the embedding's one row."""
-    from jitllm_core.profile import IN_SEQUENCE, profile_decode
+    from jitllm_core.profile import IN_SEQUENCE, print_profile, profile_decode
     eng = engines["f16"]
     rows, whole, how = profile_decode(eng, prompt_tokens=4, repeats=1)
     launches = sum(len(eng._bind(u, seg.device)) for seg in eng.segments for u in seg.units)
@@ -272,3 +274,11 @@ def test_profile_times_every_launch_and_counts_weight_bytes(engines):
     flops = sum(2 * tokens(u, name) * np.prod(shape) for u in eng.model.units if u not in ("embed", "head")
                 for name, (shape, as_f32) in eng.model.weight_shapes(u).items() if not as_f32)
     assert sum(f for _, name, _, _, f in rows if name.startswith("gemm")) == flops
+    # and their share of a multiply-add peak, where one is given: the kernels that count flops, each its GFLOP/s
+    out = io.StringIO()
+    print_profile(rows, 1.0, how, file=out, peak=1e11)  # 100 GFLOP/s: a kernel's share, its GFLOP/s as a percentage
+    lines = out.getvalue().splitlines()
+    assert lines[0].endswith("% of peak") and "peak: 100.0 GFLOP/s" in lines[-1]
+    for line in lines[1:-2]:
+        f = line.split()
+        assert abs(int(f[-1][:-1]) - float(f[-2])) <= 1 if f[0].startswith("gemm") else f[-1] == "0.0"
