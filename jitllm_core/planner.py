@@ -46,7 +46,7 @@ def multiply_add_kernel(slices, chains=16, columns=4096, lanes=16) -> ir.Kernel:
     with k.parallel("s", slices) as s:
         with k.loop("l", lanes, "vector") as l:
             ms = [k.let(f"m{i}", ir.f32(l + i) * 1e-3) for i in range(chains)]
-            # one after another: the lowering runs sibling sums in one loop, each chain's multiply-adds beside the others'
+            # one after another: the lowering runs sibling sums in one loop, the chains' multiply-adds side by side
             sums = [k.let(f"s{i}", ir.reduce("add", "c", columns, lambda c, m=m: k.load("x", c) * m, "serial"))
                     for i, m in enumerate(ms)]
             total = sums[0]
