@@ -37,7 +37,10 @@ def bandwidth_meter(dev, rows=4096):
         dev.free(y)
 
 
-def multiply_add_kernel(slices, chains=16, columns=4096, lanes=16) -> ir.Kernel:
+PEAK_LANES = 16  # lanes of each of the multiply-add meter's parallel iterations: an AVX-512 vector of f32
+
+
+def multiply_add_kernel(slices, chains=16, columns=4096, lanes=PEAK_LANES) -> ir.Kernel:
     """y[s, l] = sum over chains i of sum_c x[c] * (l + i) / 1000: each lane of each of `slices` parallel iterations
     runs `chains` independent sums of products, an input value a column (one broadcast, from cache) times a
     multiplier of each chain's -- the prefill matmul's register tile without its weight loads."""
@@ -59,8 +62,9 @@ def multiply_add_kernel(slices, chains=16, columns=4096, lanes=16) -> ir.Kernel:
 
 def multiply_add_peak(dev, runs=5, slices=256):
     """FLOP/s of a device's f32 multiply-adds at their peak (the best of `runs` of `multiply_add_kernel`, on all
-    its threads or workgroups): what bounds the exact mode's prefill matmuls where no matrix unit runs them."""
-    k = multiply_add_kernel(slices)
+    its threads or workgroups): what bounds the exact mode's prefill matmuls where no matrix unit runs them. At
+    least `slices` parallel iterations, and four lanes for each thread the device runs at once (Caps.threads)."""
+    k = multiply_add_kernel(max(slices, 4 * dev.caps.threads // PEAK_LANES))
     x, y = dev.alloc(k.buffers["x"].size * 4), dev.alloc(k.buffers["y"].size * 4)
     try:
         dev.upload(x, np.ones(k.buffers["x"].size, np.float32))
