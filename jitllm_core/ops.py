@@ -130,6 +130,7 @@ def matmul(fmt: Format, rows: int, cols: int, T: int, accumulate=False, bias=Fal
     if bias:
         k.buffer("b", "f32", rows)
     k.buffer("y", "f32", T * rows, True)
+    k.flops = lambda n_tokens: 2 * rows * cols * n_tokens  # (an expert launch's: one matrix a token)
     n, t0 = k.scalar("n_tokens"), k.scalar("t0")
     if experts:
         k.buffer("sel", "i32", T * used)

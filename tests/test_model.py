@@ -274,11 +274,12 @@ def test_profile_times_every_launch_and_counts_weight_bytes(engines):
     flops = sum(2 * tokens(u, name) * np.prod(shape) for u in eng.model.units if u not in ("embed", "head")
                 for name, (shape, as_f32) in eng.model.weight_shapes(u).items() if not as_f32)
     assert sum(f for _, name, _, _, f in rows if name.startswith("gemm")) == flops
+    head, = [f for _, name, _, _, f in rows if name.startswith("matmul")]  # the LM head, for the last token
+    assert head == 2 * eng.model.cfg.vocab * eng.model.cfg.dim
     # and their share of a multiply-add peak, where one is given: the kernels that count flops, each its GFLOP/s
     out = io.StringIO()
     print_profile(rows, 1.0, how, file=out, peak=1e11)  # 100 GFLOP/s: a kernel's share, its GFLOP/s as a percentage
     lines = out.getvalue().splitlines()
     assert lines[0].endswith("% of peak") and "peak: 100.0 GFLOP/s" in lines[-1]
-    for line in lines[1:-2]:
-        f = line.split()
-        assert abs(int(f[-1][:-1]) - float(f[-2])) <= 1 if f[0].startswith("gemm") else f[-1] == "0.0"
+    shares = [line.split()[-2:] for line in lines[1:-2] if line.split()[-1] != "0.0"]  # those with flops
+    assert len(shares) > 1 and all(abs(int(pct[:-1]) - float(gflops)) <= 1 for gflops, pct in shares)
