@@ -14,6 +14,22 @@ from . import costmodel as cm
 from . import ir
 from .cache import measured, seconds
 from .plugin import Launch
+from .quant import ROWS
+
+
+@contextlib.contextmanager
+def _best_seconds(dev, k):
+    """A function of `runs`: the least seconds of that many runs of kernel k (an input x of ones, an output y) on
+    dev, after one run to warm it; its buffers are made once and freed on exit."""
+    x, y = dev.alloc(k.buffers["x"].size * 4), dev.alloc(k.buffers["y"].size * 4)
+    try:
+        dev.upload(x, np.ones(k.buffers["x"].size, np.float32))
+        prog = dev.program([Launch(k, {"x": x, "y": y})])
+        prog.run({})
+        yield lambda runs: min(seconds(lambda: prog.run({})) for _ in range(runs))
+    finally:
+        dev.free(x)
+        dev.free(y)
 
 
 @contextlib.contextmanager
@@ -26,37 +42,24 @@ def bandwidth_meter(dev, rows=4096):
     k.buffer("x", "f32", rows * cols), k.buffer("y", "f32", rows, True)
     with k.parallel("r", rows) as r:
         k.store("y", r, ir.reduce("add", "c", cols, lambda c: k.load("x", r * cols + c), "reduce"))
-    x, y = dev.alloc(rows * cols * 4), dev.alloc(rows * 4)
-    try:
-        dev.upload(x, np.ones(rows * cols, np.float32))
-        prog = dev.program([Launch(k.finish(), {"x": x, "y": y})])
-        prog.run({})
-        yield lambda runs: rows * cols * 4 / min(seconds(lambda: prog.run({})) for _ in range(runs))
-    finally:
-        dev.free(x)
-        dev.free(y)
+    with _best_seconds(dev, k.finish()) as best:
+        yield lambda runs: rows * cols * 4 / best(runs)
 
 
-PEAK_LANES = 16  # lanes of each of the multiply-add meter's parallel iterations: an AVX-512 vector of f32
-
-
-def multiply_add_kernel(slices, chains=16, columns=4096, lanes=PEAK_LANES) -> ir.Kernel:
-    """y[s, l] = sum over chains i of sum_c x[c] * (l + i) / 1000: each lane of each of `slices` parallel iterations
-    runs `chains` independent sums of products, an input value a column (one broadcast, from cache) times a
-    multiplier of each chain's -- the prefill matmul's register tile without its weight loads."""
+def multiply_add_kernel(slices, chains=16, columns=4096) -> ir.Kernel:
+    """y[s, l] = sum over chains i of sum_c x[c] * (l + i) / 1000: each of ROWS lanes of each of `slices` parallel
+    iterations runs `chains` independent sums of products, an input value a column (one broadcast, from cache)
+    times a multiplier of each chain's -- the prefill matmul's register tile without its weight loads."""
     k = ir.Kernel(f"multiply_add_peak_{slices}_c{chains}_x{columns}")
-    k.buffer("x", "f32", columns), k.buffer("y", "f32", slices * lanes, True)
+    k.buffer("x", "f32", columns), k.buffer("y", "f32", slices * ROWS, True)
     with k.parallel("s", slices) as s:
-        with k.loop("l", lanes, "vector") as l:
+        with k.loop("l", ROWS, "vector") as l:
             ms = [k.let(f"m{i}", ir.f32(l + i) * 1e-3) for i in range(chains)]
             # one after another: the lowering runs sibling sums in one loop, the chains' multiply-adds side by side
             sums = [k.let(f"s{i}", ir.reduce("add", "c", columns, lambda c, m=m: k.load("x", c) * m, "serial"))
                     for i, m in enumerate(ms)]
-            total = sums[0]
-            for v in sums[1:]:
-                total = total + v
-            k.store("y", s * lanes + l, total)
-    k.flops = lambda n_tokens: 2 * slices * lanes * chains * columns
+            k.store("y", s * ROWS + l, sum(sums[1:], sums[0]))
+    k.flops = lambda n_tokens: 2 * slices * ROWS * chains * columns
     return k.finish()
 
 
@@ -64,16 +67,9 @@ def multiply_add_peak(dev, runs=5, slices=256):
     """FLOP/s of a device's f32 multiply-adds at their peak (the best of `runs` of `multiply_add_kernel`, on all
     its threads or workgroups): what bounds the exact mode's prefill matmuls where no matrix unit runs them. At
     least `slices` parallel iterations, and four lanes for each thread the device runs at once (Caps.threads)."""
-    k = multiply_add_kernel(max(slices, 4 * dev.caps.threads // PEAK_LANES))
-    x, y = dev.alloc(k.buffers["x"].size * 4), dev.alloc(k.buffers["y"].size * 4)
-    try:
-        dev.upload(x, np.ones(k.buffers["x"].size, np.float32))
-        prog = dev.program([Launch(k, {"x": x, "y": y})])
-        prog.run({})
-        return k.flops(1) / min(seconds(lambda: prog.run({})) for _ in range(runs))
-    finally:
-        dev.free(x)
-        dev.free(y)
+    k = multiply_add_kernel(max(slices, 4 * dev.caps.threads // ROWS))
+    with _best_seconds(dev, k) as best:
+        return k.flops(1) / best(runs)
 
 
 def read_bandwidth(dev, rows=4096, runs=3):
