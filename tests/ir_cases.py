@@ -109,10 +109,11 @@ def lane_idioms(groups=3, n=16):
 
 def byte_dots(groups=2, n=16, steps=6):
     """dot4 as quantized dots use it: words of a byte buffer read by lanes 4 bytes apart, masked to nibbles, times
-    uniform words (an unrolled reduce whose dot4s add into their chains); lane-varying on both sides; scalar."""
+    uniform words (an unrolled reduce whose dot4s add into their chains), and the whole bytes so (IQ4's codes looked
+    up: bytes above 127); lane-varying on both sides; scalar."""
     k = ir.Kernel("byte_dots")
     k.buffer("w", "u8", groups * steps * n * 4), k.buffer("x", "i32", steps * 2), k.buffer("a", "i32", groups * n)
-    k.buffer("o", "i32", groups * n * 3, True), k.buffer("s", "i32", groups, True)
+    k.buffer("o", "i32", groups * n * 4, True), k.buffer("s", "i32", groups, True)
     with k.parallel("g", groups) as g:
         with k.loop("l", n, "vector") as l:
             def word(j):
@@ -124,9 +125,10 @@ def byte_dots(groups=2, n=16, steps=6):
                 return ir.dot4(word(j) & 0x0F0F0F0F, k.load("x", 2 * j)) + \
                     ir.dot4((word(j) >> 4) & 0x0F0F0F0F, k.load("x", 2 * j + 1))
             r = g * n + l
-            k.store("o", r * 3, ir.reduce("add", "j", steps, step, "unroll"))
-            k.store("o", r * 3 + 1, ir.dot4(word(0), k.load("a", r)))
-            k.store("o", r * 3 + 2, ir.dot4(k.load("a", r), k.load("x", l % (2 * steps))))
+            k.store("o", r * 4, ir.reduce("add", "j", steps, step, "unroll"))
+            k.store("o", r * 4 + 1, ir.dot4(word(0), k.load("a", r)))
+            k.store("o", r * 4 + 2, ir.dot4(k.load("a", r), k.load("x", l % (2 * steps))))
+            k.store("o", r * 4 + 3, ir.reduce("add", "j", steps, lambda j: ir.dot4(word(j), k.load("x", j)), "unroll"))
         k.store("s", g, ir.dot4(k.load("a", g), k.load("x", g)))
     return k
 
