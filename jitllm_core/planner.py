@@ -11,7 +11,7 @@ import contextlib
 import numpy as np
 
 from . import costmodel as cm
-from . import ir
+from . import ir, ops
 from .cache import measured, seconds
 from .plugin import Launch
 from .quant import ROWS
@@ -63,11 +63,18 @@ def multiply_add_kernel(slices, chains=16, columns=4096) -> ir.Kernel:
     return k.finish()
 
 
+def multiply_add_meter(dev, slices=256) -> ir.Kernel:
+    """dev's `multiply_add_kernel`: at least `slices` parallel iterations, and four lanes for each thread the
+    device runs at once (Caps.threads); as many chains as its prefill tile has accumulators (ops.gemm_tile: more
+    than its registers hold spill -- 16 chains of 16 lanes in AVX2's 16 registers measured half a Zen 1's peak)."""
+    groups, tokens = ops.gemm_tile(dev.caps.registers)
+    return multiply_add_kernel(max(slices, 4 * dev.caps.threads // ROWS), chains=groups * tokens)
+
+
 def multiply_add_peak(dev, runs=5, slices=256):
-    """FLOP/s of a device's f32 multiply-adds at their peak (the best of `runs` of `multiply_add_kernel`, on all
-    its threads or workgroups): what bounds the exact mode's prefill matmuls where no matrix unit runs them. At
-    least `slices` parallel iterations, and four lanes for each thread the device runs at once (Caps.threads)."""
-    k = multiply_add_kernel(max(slices, 4 * dev.caps.threads // ROWS))
+    """FLOP/s of a device's f32 multiply-adds at their peak (the best of `runs` of `multiply_add_meter`, on all
+    its threads or workgroups): what bounds the exact mode's prefill matmuls where no matrix unit runs them."""
+    k = multiply_add_meter(dev, slices)
     with _best_seconds(dev, k) as best:
         return k.flops(1) / best(runs)
 

@@ -11,7 +11,7 @@ import llvmlite.binding as llvm
 import numpy as np
 import pytest
 
-from jitllm_core import ir, ops, quant, tuning
+from jitllm_core import ir, ops, planner, quant, tuning
 from jitllm_core.plugin import Launch
 from backend_check import run_on_device
 
@@ -314,6 +314,17 @@ def test_codes_looked_up_above_127_dot_in_pmaddubsw_without_vnni(layout, width, 
     text = module_text(ops.matmul(quant.PACKED[layout], 64, 512, 1), (), width, isa)
     assert re.search(r"pmadd\.ub\.sw|pmaddubs\.w\.512", text)
     assert not re.findall(r"= mul <\d+ x i32>", text)
+
+
+@pytest.mark.skipif(not llvm.get_process_triple().startswith("x86_64"), reason="compiles for an x86 CPU")
+@pytest.mark.parametrize("cpu_name", ["znver3", "icelake-server"])
+def test_multiply_add_meter_keeps_its_sums_in_registers(cpu_name):
+    """The multiply-add peak is measured with as many sums as the prefill tile's (AVX2: 6 chains of 2 vectors;
+    AVX-512: 16 of 1), all in registers: 16 chains on AVX2 spilled, and its peak read half the machine's."""
+    k = planner.multiply_add_meter(assembly.device(cpu_name))
+    loop = next(b for b in assembly.loops(assembly.assembly(k, cpu_name)) if any("vfmadd" in x for x in b))
+    assert assembly.spill_stores(loop) == 0
+    assert sum(x.startswith("vfmadd") for x in loop) % (12 if cpu_name == "znver3" else 16) == 0
 
 
 def test_tuning_without_measuring_gives_the_defaults_unrecorded(cpu, fresh_cache, monkeypatch):
