@@ -309,8 +309,8 @@ def test_each_input_broadcast_feeds_both_vectors_of_lanes_at_once(layout, words)
 @pytest.mark.parametrize("width, isa", [(8, {"avx2"}), (16, {"avx512bw", "avx2"})], ids=["avx2", "avx512-no-vnni"])
 def test_codes_looked_up_above_127_dot_in_pmaddubsw_without_vnni(layout, width, isa):
     """IQ4's codes are looked up as levels + 128, bytes up to 255, whose pmaddubsw pair sums with signed digits
-    would overflow an i16: without VNNI their dot4s take two pmaddubsw (the bytes' low 7 bits, their top bits),
-    not bytes widened to i32 and multiplied (1 x 8192 at 0.4 G weights/s on a Zen 1, 10x under R4K's)."""
+    would overflow an i16: without VNNI their dot4s take two pmaddubsw (the bytes' low nibbles, their high ones),
+    not bytes widened to i32 and multiplied (2048 x 8192 at 0.4 G weights/s on a Zen 1, 10x under R4K's)."""
     text = module_text(ops.matmul(quant.PACKED[layout], 64, 512, 1), (), width, isa)
     assert re.search(r"pmadd\.ub\.sw|pmaddubs\.w\.512", text)
     assert not re.findall(r"= mul <\d+ x i32>", text)

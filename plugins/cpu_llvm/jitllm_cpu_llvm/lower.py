@@ -229,9 +229,9 @@ class Dot4Sum:
     (vpdpbusd); without it, the pmaddubsw pair sums of dot4s whose x bytes are provably small add up as i16 while
     their bound stays within i16 (8 dot4s of nibbles by signed bytes: 8 x 2 x 15 x 128 = 30720), then widen into
     the sum with one pmaddwd -- the same integers, one widening per run instead of per dot4. Bytes of x up to 255
-    (IQ4's codes looked up as levels + 128) in two parts (`KernelLowering.byte_halves`): their low 7 bits here,
-    their top bits in a sum of their own (`high`, bytes of 0 or 1: many dot4s to a run), 128 times it added at the
-    end."""
+    (IQ4's codes looked up as levels + 128) in their two nibbles (`KernelLowering.nibbles`): the low ones here, the
+    high ones in a sum of their own (`high`), 16 times it added at the end -- each a run of 8 dot4s to a widening,
+    where the bytes' low 7 bits would take a widening each."""
 
     def __init__(self, low):
         self.low, self.acc, self.pairs, self.bound, self.high = low, None, None, 0, None
@@ -243,11 +243,11 @@ class Dot4Sum:
             return
         x, y = (low.to_vec(low.vexpr(a, venv), "i32") for a in (t.a, t.b))
         top = _byte_max(t.a)
-        if top >= 128 and low.dot4_pairs(x, y, 127, probe=True):
-            x, top_bits = low.byte_halves(x)
+        if top >= 128 and low.dot4_pairs(x, y, 15, probe=True):
+            x, high = low.nibbles(x)
             self.high = self.high or Dot4Sum(low)
-            self.high.add_bytes(top_bits, y, 1)
-            top = 127
+            self.high.add_bytes(high, y, 15)
+            top = 15
         self.add_bytes(x, y, top)
 
     def add_bytes(self, x, y, top):
@@ -275,7 +275,7 @@ class Dot4Sum:
         self._flush()
         if self.high is not None:
             high = self.high.value()
-            self._into(self.low.b.shl(high, self.low.splat_like(high, I32, 7)))
+            self._into(self.low.b.shl(high, self.low.splat_like(high, I32, 4)))
         return self.acc
 
 
@@ -709,9 +709,9 @@ class KernelLowering:
         pairs = self.dot4_pairs(x, y, top)
         if pairs is not None:
             v = self.widen_pairs(pairs)
-        elif self.dot4_pairs(x, y, 127, probe=True):  # bytes of x above 127: in two parts (Dot4Sum)
-            low, top_bits = self.byte_halves(x)
-            v = b.add(self.dot4(low, y, None, 127), b.shl(self.dot4(top_bits, y, None, 1), self.splat_like(x, I32, 7)))
+        elif self.dot4_pairs(x, y, 15, probe=True):  # bytes of x above 127: nibble by nibble (Dot4Sum)
+            low, high = self.nibbles(x)
+            v = b.add(self.dot4(low, y, None, 15), b.shl(self.dot4(high, y, None, 15), self.splat_like(x, I32, 4)))
         else:
             wt = L.VectorType(I32, 4 * n)
             prod = b.mul(b.zext(b.bitcast(x, bt), wt), b.sext(b.bitcast(y, bt), wt))
@@ -743,12 +743,11 @@ class KernelLowering:
         bt, ht = L.VectorType(I8, 4 * n), L.VectorType(I16, 2 * n)
         return self.b.call(self.declare(madd[0], ht, [bt, bt]), [self.b.bitcast(x, bt), self.b.bitcast(y, bt)])
 
-    def byte_halves(self, x):
-        """(x's bytes' low 7 bits, their top bits as bytes of 0 or 1): x's dot4 with y is the first's plus 128
-        times the second's, each within pmaddubsw's reach (a byte above 127 times -128 twice overflows its i16)."""
-        b = self.b
-        return (b.and_(x, self.splat_like(x, I32, 0x7F7F7F7F)),
-                b.and_(b.lshr(x, self.splat_like(x, I32, 7)), self.splat_like(x, I32, 0x01010101)))
+    def nibbles(self, x):
+        """(x's bytes' low nibbles, their high ones): x's dot4 with y is the first's plus 16 times the second's,
+        each within pmaddubsw's reach (a byte above 127 times -128 twice overflows its i16)."""
+        b, mask = self.b, self.splat_like(x, I32, 0x0F0F0F0F)
+        return b.and_(x, mask), b.and_(b.lshr(x, self.splat_like(x, I32, 4)), mask)
 
     def widen_pairs(self, pairs):
         """Each lane's two i16 sums added into one i32 (pmaddwd by ones)."""
