@@ -243,7 +243,7 @@ class Dot4Sum:
             return
         x, y = (low.to_vec(low.vexpr(a, venv), "i32") for a in (t.a, t.b))
         top = _byte_max(t.a)
-        if top >= 128 and low.dot4_pairs(x, y, 15, probe=True):
+        if top >= 128 and low.pairs_exact(x, 15):
             x, high = low.nibbles(x)
             self.high = self.high or Dot4Sum(low)
             self.high.add_bytes(high, y, 15)
@@ -709,7 +709,7 @@ class KernelLowering:
         pairs = self.dot4_pairs(x, y, top)
         if pairs is not None:
             v = self.widen_pairs(pairs)
-        elif self.dot4_pairs(x, y, 15, probe=True):  # bytes of x above 127: nibble by nibble (Dot4Sum)
+        elif self.pairs_exact(x, 15):  # bytes of x above 127: nibble by nibble (Dot4Sum)
             low, high = self.nibbles(x)
             v = b.add(self.dot4(low, y, None, 15), b.shl(self.dot4(high, y, None, 15), self.splat_like(x, I32, 4)))
         else:
@@ -730,18 +730,20 @@ class KernelLowering:
                 8: ("avx2", "llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd")}.get(n)
         return madd[1:] if madd and madd[0] in self.isa else None
 
-    def dot4_pairs(self, x, y, top, probe=False):
-        """pmaddubsw of x's and y's bytes: each lane's two i16 sums of byte pairs, exact (no saturation) when x's
-        bytes are at most top < 128; None where that does not apply (or VNNI does it in one). probe: whether it
-        applies, nothing made."""
+    def pairs_exact(self, x, top):
+        """Whether pmaddubsw gives the dot4s of x here: x's bytes at most top < 128 (no i16 pair sum saturates),
+        the CPU has it for x's width, and no VNNI does a dot4 in one."""
         n = x.type.count if isinstance(x.type, L.VectorType) else 1
-        madd = self._madd(n)
-        if top >= 128 or madd is None or self.vnni(n):
+        return top < 128 and self._madd(n) is not None and not self.vnni(n)
+
+    def dot4_pairs(self, x, y, top):
+        """pmaddubsw of x's and y's bytes: each lane's two i16 sums of byte pairs, exact where `pairs_exact`; else
+        None."""
+        if not self.pairs_exact(x, top):
             return None
-        if probe:
-            return True
+        n = x.type.count if isinstance(x.type, L.VectorType) else 1
         bt, ht = L.VectorType(I8, 4 * n), L.VectorType(I16, 2 * n)
-        return self.b.call(self.declare(madd[0], ht, [bt, bt]), [self.b.bitcast(x, bt), self.b.bitcast(y, bt)])
+        return self.b.call(self.declare(self._madd(n)[0], ht, [bt, bt]), [self.b.bitcast(x, bt), self.b.bitcast(y, bt)])
 
     def nibbles(self, x):
         """(x's bytes' low nibbles, their high ones): x's dot4 with y is the first's plus 16 times the second's,
