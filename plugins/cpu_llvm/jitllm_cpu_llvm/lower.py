@@ -242,7 +242,12 @@ class Dot4Sum:
             self._into(low.to_vec(low.vexpr(t, venv), "i32"))
             return
         x, y = (low.to_vec(low.vexpr(a, venv), "i32") for a in (t.a, t.b))
-        top = _byte_max(t.a)
+        self.add_dot4(x, y, _byte_max(t.a))
+
+    def add_dot4(self, x, y, top):
+        """dot4 of x (bytes at most top) and y into the sum, bytes above 127 nibble by nibble where pmaddubsw
+        takes the nibbles."""
+        low = self.low
         if top >= 128 and low.pairs_exact(x, 15):
             x, high = low.nibbles(x)
             self.high = self.high or Dot4Sum(low)
@@ -698,20 +703,18 @@ class KernelLowering:
 
     def dot4(self, x, y, acc=None, top=255):
         """IR dot4 of x and y (plus acc): one vpdpbusd where the CPU has VNNI for the vector's width (the add into
-        acc included); where it has not, and x's bytes are at most `top` < 128, pmaddubsw and pmaddwd; else the
-        bytes widened, multiplied and summed in fours."""
+        acc included); where it has not, pmaddubsw and pmaddwd (a Dot4Sum of one dot4: bytes of x above 127 nibble by
+        nibble) where the CPU has them; else the bytes widened, multiplied and summed in fours."""
         b = self.b
         n = x.type.count if isinstance(x.type, L.VectorType) else 1
         bt = L.VectorType(I8, 4 * n)
         if self.vnni(n):
             fn = self.declare(f"llvm.x86.avx512.vpdpbusd.{32 * n}", x.type, [x.type, bt, bt])
             return b.call(fn, [L.Constant(x.type, None) if acc is None else acc, b.bitcast(x, bt), b.bitcast(y, bt)])
-        pairs = self.dot4_pairs(x, y, top)
-        if pairs is not None:
-            v = self.widen_pairs(pairs)
-        elif self.pairs_exact(x, 15):  # bytes of x above 127: nibble by nibble (Dot4Sum)
-            low, high = self.nibbles(x)
-            v = b.add(self.dot4(low, y, None, 15), b.shl(self.dot4(high, y, None, 15), self.splat_like(x, I32, 4)))
+        if self.pairs_exact(x, 15):
+            one = Dot4Sum(self)
+            one.add_dot4(x, y, top)
+            v = one.value()
         else:
             wt = L.VectorType(I32, 4 * n)
             prod = b.mul(b.zext(b.bitcast(x, bt), wt), b.sext(b.bitcast(y, bt), wt))
