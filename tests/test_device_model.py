@@ -9,6 +9,7 @@ import pytest
 
 import jitllm_core as jl
 from conftest import backend_device
+from jitllm_core.modelfile import ModelFile
 from reference import agreeing_prefix, reference_logits
 
 PROMPT = ("The history of the printing press begins in China, where woodblock printing was used for centuries "
@@ -20,6 +21,13 @@ GEN_PROMPT = "The capital of France is"  # short (prefill is slow here too) and 
 def accel(request):
     backend_device(request.param)
     return request.param
+
+
+@pytest.fixture(scope="module")
+def layers(default_model):
+    """The model's layers: the default model's 30, or fewer in one cut to be carried to an offline GPU machine
+    (tests/device/cut_model.py)."""
+    return ModelFile(default_model).config.n_layer
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +69,14 @@ def test_greedy_matches_transformers(on_device, default_model, cpu_tokens):
     assert out == cpu_runs[6]
 
 
-def test_cpu_device_split_matches_cpu(accel, default_model, cpu_tokens):
+def test_cpu_device_split_matches_cpu(accel, default_model, cpu_tokens, layers):
     ids, cpu_runs = cpu_tokens
-    split = {"cpu:0": range(0, 15), accel: range(15, 30)}
+    half = layers // 2
+    split = {"cpu:0": range(0, half), accel: range(half, layers)}
     e = jl.Engine(default_model, devices=["cpu:0", accel], placement=split, kv_dtype="f32")
     try:
-        assert e.placement[0][0] == "cpu:0" and e.placement[14][0] == "cpu:0"
-        assert e.placement[15][0] == accel and e.placement[29][0] == accel
+        assert e.placement[0][0] == "cpu:0" and e.placement[half - 1][0] == "cpu:0"
+        assert e.placement[half][0] == accel and e.placement[layers - 1][0] == accel
         out = e.generate(ids, max_tokens=6, ignore_eos=True).token_ids
         assert out == cpu_runs[6]
         assert e.stats["crossings"] > 0  # the activation really went cpu:0 -> the device
@@ -77,26 +86,26 @@ def test_cpu_device_split_matches_cpu(accel, default_model, cpu_tokens):
         e.close()
 
 
-def test_live_move_cpu_to_device(accel, default_model, cpu_tokens):
+def test_live_move_cpu_to_device(accel, default_model, cpu_tokens, layers):
     ids, cpu_runs = cpu_tokens
-    e = jl.Engine(default_model, devices=["cpu:0", accel], placement={"cpu:0": range(30)}, kv_dtype="f32")
+    e = jl.Engine(default_model, devices=["cpu:0", accel], placement={"cpu:0": range(layers)}, kv_dtype="f32")
     try:
-        assert {e.placement[i][0] for i in range(30)} == {"cpu:0"}
+        assert {e.placement[i][0] for i in range(layers)} == {"cpu:0"}
         out, reports = [], []
         for i, ev in enumerate(e.generate(ids, max_tokens=8, ignore_eos=True, stream=True)):
             out.append(ev.token_id)
             if i == 2:  # between two streamed tokens: the KV of the prompt and three tokens moves along
-                reports.append(e.migrate("0-29", accel))
+                reports.append(e.migrate(f"0-{layers - 1}", accel))
         assert out == cpu_runs[8]
         assert e.stats["steps"] == 8  # one prefill step + 7 decode steps: nothing ran twice
         assert len(reports) == 1 and reports[0].ok, str(reports[0])
         assert reports[0].recomputed_tokens == 0
-        assert {e.placement[i][0] for i in range(30)} == {accel}
+        assert {e.placement[i][0] for i in range(layers)} == {accel}
     finally:
         e.close()
 
 
-def test_chain_of_moves_across_backends(accel, default_model, cpu_tokens):
+def test_chain_of_moves_across_backends(accel, default_model, cpu_tokens, layers):
     """cpu:0 -> cpu:1 -> the device -> cpu:0 while streaming: same greedy tokens, logits of the final state within
     1e-3 of a run that never moved."""
     backend_device("cpu:1")
@@ -108,14 +117,14 @@ def test_chain_of_moves_across_backends(accel, default_model, cpu_tokens):
         for i, ev in enumerate(eng.generate(ids, max_tokens=8, ignore_eos=True, stream=True)):
             out.append(ev.token_id)
             if i in chain:
-                reports.append(eng.migrate("embed,0-29,head", chain[i]))
+                reports.append(eng.migrate(f"embed,0-{layers - 1},head", chain[i]))
         assert out == want[8]
         assert [r.ok for r in reports] == [True] * 3 and all(r.recomputed_tokens == 0 for r in reports)
         with eng.session() as s:  # a move mid-sequence to the device and back, logits against the unmoved run
             s.feed(ids)
-            eng.migrate("0-29", accel)
+            eng.migrate(f"0-{layers - 1}", accel)
             moved = s.feed(out[:3])
-            eng.migrate("0-29", "cpu:0")
+            eng.migrate(f"0-{layers - 1}", "cpu:0")
         with eng.session() as s:
             s.feed(ids)
             still = s.feed(out[:3])

@@ -26,11 +26,18 @@ def matvec(rows=ROWS, cols=COLS):
     return ops.matmul(quant.PACKED["R4"], rows, cols, 4)
 
 
-def module_text(k, prefetch, width=None, isa=None):
-    """The LLVM IR of a program of kernel k alone, lowered with these prefetch distances (for this CPU's vector
-    width and instructions unless given)."""
-    return assembly.module(k, width or runtime.simd_width(), runtime.isa() if isa is None else frozenset(isa),
-                           {"prefetch": prefetch})
+def module(k, prefetch=(), width=None, isa=None, optimized=False):
+    """The module of kernel k alone with its support for these prefetch distances (for this CPU's vector width and
+    instructions unless given), before LLVM's passes or after them."""
+    mod = assembly.module(k, width or runtime.simd_width(), runtime.isa() if isa is None else frozenset(isa),
+                          {"prefetch": prefetch})
+    if optimized:
+        runtime.optimize(mod)
+    return mod
+
+
+def module_text(k, prefetch=(), width=None, isa=None, optimized=False):
+    return str(module(k, prefetch, width, isa, optimized))
 
 
 def vnni_decode_loop(name):
@@ -200,7 +207,7 @@ def outputs_tuned(cpu, k, options):
 def test_prefetch_options_change_the_code_not_the_results(cpu):
     k = matvec()
     for prefetch in cpu.tunables["prefetch"]:
-        assert ("llvm.prefetch" in module_text(k, prefetch)) == bool(prefetch)
+        assert ("call void @llvm.prefetch" in module_text(k, prefetch, optimized=True)) == bool(prefetch)
     outs = outputs_tuned(cpu, k, [{"prefetch": p} for p in cpu.tunables["prefetch"]])
     for out in outs[1:]:
         np.testing.assert_array_equal(outs[0], out)
@@ -239,12 +246,14 @@ def test_prefetch_once_per_line_of_streamed_weights(width, isa, rows, cols):
     iteration prefetches each once, whether the 16 rows take one vector of lanes or two (AVX2: each reads half
     of every line) and though its words are read in an unrolled loop, and nothing else (not the input's digits).
     A small matrix too: a decode step reads every matrix from DRAM, the default model's 69 KB key projection
-    (192 x 576) as well. Each distance's prefetches go where it says (the default's far one non-temporal)."""
+    (192 x 576) as well. Each distance's prefetches go where it says (the default's far one non-temporal), once
+    the support's prefetches (lower.support_ir) are inlined."""
     k, lines = matvec(rows, cols), quant.PACKED["R4"].unit * quant.ROWS // 64
+    assert module_text(k, width=width, isa=isa).count(f"call void @{lower.PREFETCH_AHEAD}(") == lines
     for distances in (lower.PREFETCH, lower.PREFETCH_L2, lower.PREFETCH_DEEP):
-        text = module_text(k, distances, width, isa)
-        assert text.count("call void @\"llvm.prefetch.p0\"") == lines * len(distances)
-        calls = re.findall(r'llvm\.prefetch\.p0"\(ptr [^,]+, i32 0, i32 (\d), i32 1\)', text)
+        text = module_text(k, distances, width, isa, optimized=True)
+        assert text.count("call void @llvm.prefetch.p0(") == lines * len(distances)
+        calls = re.findall(r'llvm\.prefetch\.p0\(ptr [^,]+, i32 0, i32 (\d), i32 1\)', text)
         localities = collections.Counter(int(n) for n in calls)
         assert localities == collections.Counter(locality for _, locality in distances for _ in range(lines))
 
@@ -263,12 +272,12 @@ def test_claimed_chunks_stream_at_least_claim_bytes_of_weights(monkeypatch):
     KB) outweigh its weights (553 KB), and its chunks are 9 of its 36 row groups, not 8."""
     k = ops.matmul(quant.PACKED["R4"], 1536, 576, 1)
     least = -(-lower.CLAIM_BYTES // quant.PACKED["R4"].nbytes(quant.ROWS, 576))
-    assert least == 23 and selected_constants(module_text(k, ())) == {96, 23, 1}
+    assert least == 23 and selected_constants(module_text(k)) == {96, 23, 1}
     wide = ops.matmul(quant.PACKED["R4"], 576, 1536, 128)
     assert wide.buffers["xq"].size > wide.buffers["w"].size
-    assert selected_constants(module_text(wide, ())) == {36, 9, 1}
+    assert selected_constants(module_text(wide)) == {36, 9, 1}
     monkeypatch.setattr(lower, "CLAIM_BYTES", 0)
-    assert selected_constants(module_text(k, ())) == {96, 1}
+    assert selected_constants(module_text(k)) == {96, 1}
 
 
 def broadcast_use_spans(text):
@@ -297,7 +306,7 @@ def test_each_input_broadcast_feeds_both_vectors_of_lanes_at_once(layout, words)
     unrolled_reduces). The first vector's whole block first kept all of them live until the second vector's (a
     quarter of an R6 block: 48 input words; an R8 block: 32 elements), spilled to the stack."""
     k = ops.matmul(quant.PACKED[layout], 64, 512, 1)
-    mod = llvm.parse_assembly(module_text(k, (), 8, {"avx2"}))
+    mod = module(k, (), 8, {"avx2"})
     # the vectors' loads of one input word merged into one broadcast, by the passes an AVX2 CPU's program gets (an
     # AVX-512 host's passes write it as a shuffle of the word's bytes, which broadcast_use_spans does not follow)
     runtime.optimize(mod, runtime.target_machine("znver3"))
@@ -388,7 +397,7 @@ def test_a_module_makes_each_pure_instruction_once_a_block():
     """The lowering's builder makes an instruction with the same operands once a basic block (a 6-bit embedding
     row, every element's address and field spelled out by the IR, was 76,000 instructions, 29 % of them
     literal repeats): no block of the lowered module holds two arithmetic, cast or address instructions alike."""
-    text = assembly.module(ops.embed(quant.PACKED["R6"], 256, 2048, 4), runtime.simd_width(), runtime.isa())
+    text = module_text(ops.embed(quant.PACKED["R6"], 256, 2048, 4))
     repeats, seen, made = [], set(), 0
     for line in text.splitlines():
         if re.match(r"^[\w.\"]+:", line):  # a basic block's label

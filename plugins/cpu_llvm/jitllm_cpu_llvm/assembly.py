@@ -31,9 +31,11 @@ def device(cpu, threads=1):
 
 
 def module(k, width, isa, options=None):
-    """The LLVM IR of kernel k's module, lowered for `width` lanes and instructions `isa` (options: its
-    tuned lowering options, as CpuDevice.tune gives them)."""
-    return str(lower.kernel_module(k, f"k_{k.name}", width, llvm.get_process_triple(), isa, options))
+    """Kernel k's module, lowered for `width` lanes and instructions `isa` and linked with its support (options: its
+    tuned lowering options, as CpuDevice.tune gives them), as a compile process gets it before its passes."""
+    mod = llvm.parse_assembly(str(lower.kernel_module(k, f"k_{k.name}", width, llvm.get_process_triple(), isa)))
+    mod.link_in(llvm.parse_assembly(lower.support_ir(options)))
+    return mod
 
 
 def assembly(k, cpu=None, schedule=True):
@@ -41,7 +43,7 @@ def assembly(k, cpu=None, schedule=True):
     machine scheduler or without (generated on LLVM's thread, where the option is set for each module)."""
     feats = None if cpu is None else features(cpu)
     tm = runtime.target_machine(cpu)
-    mod = llvm.parse_assembly(module(k, runtime.simd_width(feats), runtime.isa(feats)))
+    mod = module(k, runtime.simd_width(feats), runtime.isa(feats))
     runtime.optimize(mod, tm if cpu else None)
     return runtime.on_llvm_thread(lambda: tm.emit_assembly(mod), schedule)
 

@@ -45,13 +45,18 @@ def target_machine(cpu=None):
 
 
 def optimize(mod, tm=None):
-    """LLVM's -O3 on mod, for this CPU or for target machine tm (assembly.py's named CPUs)."""
+    """LLVM's -O3 on mod, for this CPU or for target machine tm (assembly.py's named CPUs), once its support's
+    always-inline functions are inlined (a kernel's prefetches: the passes see them as if lowered in place, a call
+    of one that prefetches nothing not at all)."""
     if tm is None:
         if getattr(_local, "passes", None) is None:
             _local.passes = _pass_builder(target_machine())
         passes = _local.passes
     else:
         passes = _pass_builder(tm)
+    inline = llvm.create_new_module_pass_manager()
+    inline.add_always_inliner_pass()
+    inline.run(mod, passes)
     passes.getModulePassManager().run(mod, passes)
 
 

@@ -17,7 +17,8 @@ float of a function of 4 bits is one table lookup (vpermps), addresses keep each
 sum of `dot4`s accumulates each into the sum so far (VNNI's vpdpbusd; where the CPU has no VNNI and the bytes are
 provably small, pmaddubsw's pair sums add up as i16 as far as their bound allows, then widen once). Weights streamed
 from memory are prefetched a few KB ahead (into L1) and further (non-temporally), once per cache line, where the
-device's tuning keeps it (CpuDevice.tunables).
+device's tuning keeps it (CpuDevice.tunables): by a call of `jl_prefetch_ahead`, which the module's support
+(`support_ir`) defines for the tuned distances, so that the tuner's variants of a kernel are one lowering.
 Each kernel is a module of its own (`kernel_module`), compiled once for every program that launches it, with an entry
 that takes its buffers and scalars from a program's slots. A program is data, not code: a table of its launches
 (entry, slots, claim counters, a barrier after it or not) that `jl_run` (RUNNER_IR, compiled once) walks, calling
@@ -80,6 +81,7 @@ CLAIM_BYTES = 128 << 10
 CLAIM_STRIDE = 16  # i32s between two parallel loops' claim counters (a cache line each)
 LINE = 64  # bytes of a cache line
 PREFETCHED = "prefetched"  # memo entry: the cache lines a body has prefetched, one set for all its vectors
+PREFETCH_AHEAD = "jl_prefetch_ahead"  # a streamed weight's prefetches (support_ir), inlined where it is called
 LANE0 = "first lane"  # venv entry (no IR name has a space): the vector's first lane within the loop's iteration
 
 # what every module links in: the barrier
@@ -334,9 +336,8 @@ for _name in _PURE:
 
 
 class KernelLowering:
-    def __init__(self, module: L.Module, kernel: ir.Kernel, width: int, isa=frozenset(), options=None, name=None):
+    def __init__(self, module: L.Module, kernel: ir.Kernel, width: int, isa=frozenset(), name=None):
         self.k, self.W, self.isa = kernel, width, isa
-        self.prefetches = (options or {}).get("prefetch", PREFETCH)  # the tuned options (CpuDevice.tune)
         self.fn = L.Function(module, kernel_type(kernel), name=name or f"k_{kernel.name}_{kernel.key()}")
         self.k = kernel = ir.expand_tile_dots(kernel, lambda s: amx_fits(s, isa))
         self.fn.attributes.add("noinline")
@@ -1116,22 +1117,20 @@ class KernelLowering:
         return b.bitcast(out, v.type)
 
     def prefetch_ahead(self, buf, ptr, index, venv, lane_bytes):
-        """Prefetch the kernel's distances (PREFETCH unless tuned) past ptr (element `index` of buf, lanes
+        """Prefetch the kernel's distances (PREFETCH_AHEAD) past ptr (element `index` of buf, lanes
         `lane_bytes` apart) when buf is the kernel's streamed weights (`streamed_weights`) of PREFETCH_MIN bytes or
         more, once per cache line in a body, whichever vector of lanes or unrolled iteration loads from it first: a
         quantized dot reads each word for every digit of the input, a line holds the words of several vectors or
         iterations, and prefetches take load slots."""
         w = self.streamed_weights()
-        if not self.prefetches or buf != ir.WEIGHTS or not w or w.size < PREFETCH_MIN:
+        if buf != ir.WEIGHTS or not w or w.size < PREFETCH_MIN:
             return
         done = self.memo.setdefault(PREFETCHED, set())
         first = venv[LANE0].val.constant if LANE0 in venv else 0
         key = (buf, _line_key(index, _uniform_constants(venv), first * lane_bytes))
         if key not in done:
             done.add(key)
-            for distance, locality in self.prefetches:
-                ahead = self.b.gep(ptr, [L.Constant(I32, distance)], source_etype=I8)
-                self.prefetch(ahead, locality)
+            self.b.call(self.declare(PREFETCH_AHEAD, VOID, [PTR]), [ptr])
 
     def field_load(self, field, venv):
         """A little-endian field of n bytes assembled from a byte buffer by shifts and ors, read by lanes n
@@ -1695,6 +1694,17 @@ def has_vnni(n, isa):
 ENTRY = L.FunctionType(VOID, [PTR, PTR, PTR, I32, I32, PTR, PTR])
 
 
+def support_ir(options=None) -> str:
+    """What a kernel's module is linked with as it is compiled: SUPPORT_IR, and PREFETCH_AHEAD for its tuned
+    options' prefetch distances (CpuDevice.tune; PREFETCH where none are tuned), one prefetch of each."""
+    prefetches = (options or {}).get("prefetch", PREFETCH)
+    body = "".join(f"  %a{i} = getelementptr i8, ptr %p, i32 {distance}\n"
+                   f"  call void @llvm.prefetch.p0(ptr %a{i}, i32 0, i32 {locality}, i32 1)\n"
+                   for i, (distance, locality) in enumerate(prefetches))
+    return (f"{SUPPORT_IR}declare void @llvm.prefetch.p0(ptr, i32, i32, i32)\n"
+            f"define linkonce_odr void @{PREFETCH_AHEAD}(ptr %p) alwaysinline {{\n{body}  ret void\n}}\n")
+
+
 def kernel_type(kernel) -> L.FunctionType:
     """A kernel's function: its buffers, its scalars, then tid, nth, the barrier and its claim counters."""
     return L.FunctionType(VOID, [PTR] * len(kernel.buffers) + [I32] * len(kernel.scalars) + [I32, I32, PTR, PTR])
@@ -1705,14 +1715,14 @@ def runner_module(triple) -> str:
     return f'target triple = "{triple}"\n{RUNNER_IR}'
 
 
-def kernel_module(kernel, name, width, triple, isa=frozenset(), options=None) -> L.Module:
+def kernel_module(kernel, name, width, triple, isa=frozenset()) -> L.Module:
     """Kernel `kernel` alone for `width` lanes and instructions `isa`, called by its entry `name` (ENTRY: a program's
-    buffers and scalars, the launch's slots of them, tid, nth, the barrier and the launch's claim counters); options:
-    its tuned lowering options (CpuDevice.tune), if any."""
+    buffers and scalars, the launch's slots of them, tid, nth, the barrier and the launch's claim counters). Its
+    tuned options are its support's (`support_ir`), linked in as it is compiled."""
     m = L.Module(name=name)
     m.triple = triple
-    L.Function(m, L.FunctionType(VOID, [PTR, I32]), name="jl_barrier")  # SUPPORT_IR's, linked in as it is compiled
-    fn = KernelLowering(m, kernel, width, isa, options, f"{name}_kernel").lower()
+    L.Function(m, L.FunctionType(VOID, [PTR, I32]), name="jl_barrier")  # SUPPORT_IR's
+    fn = KernelLowering(m, kernel, width, isa, f"{name}_kernel").lower()
     entry = L.Function(m, ENTRY, name=name)
     bufs, scal, slots, tid, nth, bar, counters = entry.args
     b = L.IRBuilder(entry.append_basic_block("entry"))

@@ -108,6 +108,9 @@ _COMPILERS = compiler.Compilers(max(1, min(4, os.cpu_count() or 1)))
 # engines and their LLVM contexts were collected
 _COMPILED = {}
 _COMPILED_LOCK = threading.Lock()
+# the last kernel module's text lowered, by its entry's name: a tuning makes one kernel with each variant of its
+# options in turn, a text for all (they are its support's: lower.support_ir)
+_LAST_TEXT = (None, None)
 
 
 class Compiled:
@@ -115,11 +118,11 @@ class Compiled:
     the module is made of: the kernel, this lowering's source, the CPU), so that a warm start neither
     lowers nor compiles. Not cached: lowered to LLVM IR text on the caller's thread, compiled by a compile process
     into the cache, and loaded from there as a warm start loads it; `wait` waits for it. symbol: the function it
-    is called by."""
+    is called by; support: the IR it is linked with (lower.support_ir)."""
 
-    def __init__(self, key: str, text_fn, device_name, schedule, symbol):
+    def __init__(self, key: str, text_fn, device_name, schedule, symbol, support):
         self.path, self.device_name, self.schedule = cache_dir("cpu") / f"{key}.o", device_name, schedule
-        self.symbol = symbol
+        self.symbol, self.support = symbol, support
         self._lock, self._text_fn = threading.Lock(), text_fn
         self._address = self._compiling = None
         if self.path.exists():
@@ -143,7 +146,7 @@ class Compiled:
         return self._address
 
     def _submit(self):
-        self._compiling = _COMPILERS.submit(self._text_fn(), lower.SUPPORT_IR, self.schedule, self.path)
+        self._compiling = _COMPILERS.submit(self._text_fn(), self.support, self.schedule, self.path)
 
     def _join(self):
         if self._compiling is not None:
@@ -385,23 +388,32 @@ class CpuDevice(Device):
 
     def kernel_code(self, k):
         """Kernel k's code for this device (its tuned options, its instructions), shared by every program that
-        launches it -- and by other devices of the same kind, as its function's name is the key of its code."""
+        launches it -- and by other devices of the same kind, as its function's name is the key of its text."""
         options = self.tuned.get(k.tune_tag) if k.tune_tag else None
         schedule = machine_scheduled(self, k)
         triple, cpu, features, _ = host()
-        key = digest(LOWERING, k.key(), self.width, sorted(self.instructions), self.emulation, triple, cpu, features,
-                     llvmlite.__version__, sorted((options or {}).items()), schedule)
-        name = f"k_{k.name}_{key}"
-        return self.compile(key, lambda: self.made_runnable(str(lower.kernel_module(
-            k, name, self.width, triple, self.instructions, options))), name, schedule)
+        text = digest(LOWERING, k.key(), self.width, sorted(self.instructions), self.emulation, triple, cpu, features,
+                      llvmlite.__version__)
+        name = f"k_{k.name}_{text}"
+        return self.compile(digest(text, sorted((options or {}).items()), schedule),
+                            lambda: self.kernel_text(k, name, triple), name, schedule, lower.support_ir(options))
 
-    def compile(self, key, text_fn, symbol, schedule=True):
+    def kernel_text(self, k, name, triple):
+        """Kernel k's module text, called by `name` (the key of its text), lowered unless it was the last one."""
+        global _LAST_TEXT
+        last = _LAST_TEXT
+        if last[0] != name:
+            last = _LAST_TEXT = name, self.made_runnable(str(lower.kernel_module(
+                k, name, self.width, triple, self.instructions)))
+        return last[1]
+
+    def compile(self, key, text_fn, symbol, schedule=True, support=lower.SUPPORT_IR):
         """The Compiled of module text_fn() (its key: what it is made of), made once a process; symbol: the
-        function it is called by."""
+        function it is called by; support: the IR it is linked with."""
         with _COMPILED_LOCK:
             if key not in _COMPILED:
                 try:
-                    _COMPILED[key] = Compiled(key, text_fn, self.name, schedule, symbol)
+                    _COMPILED[key] = Compiled(key, text_fn, self.name, schedule, symbol, support)
                 except RuntimeError as e:  # loading the cached code
                     raise compile_failed(self.name, e) from None
             return _COMPILED[key]
