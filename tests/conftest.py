@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # ir_cases, backend_check
+sys.path.insert(1, str(Path(__file__).parent / "device"))  # cut_model
 # two logical CPU devices (cpu:0, cpu:1) so that migration and multi-device tests have somewhere to go;
 # "cpu" names cpu:0
 os.environ.setdefault("JITLLM_CPU_DEVICES", "2")
@@ -40,3 +41,14 @@ def cpu():
 def default_model():
     from jitllm_core.models import default_model_path
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def shallow_model(default_model, tmp_path_factory):
+    """The default model cut to its first 2 layers (tokenizer, embedding and head whole): for what each layer's
+    kernels show as well as thirty do (a batched step's rows bit for bit its sequences' steps), where lavapipe
+    takes minutes over the whole model on a slow host."""
+    from cut_model import cut
+    out = tmp_path_factory.mktemp("shallow") / "smollm2-2-layers.gguf"
+    cut(default_model, out, 2)
+    return str(out)
