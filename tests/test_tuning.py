@@ -213,6 +213,22 @@ def test_prefetch_options_change_the_code_not_the_results(cpu):
         np.testing.assert_array_equal(outs[0], out)
 
 
+def test_a_kernels_variants_are_one_lowering_compiled_apart(cpu, fresh_cache, monkeypatch):
+    """The tuner's variants of a kernel differ only in their support (lower.support_ir): the kernel is lowered
+    once for all of them, and each is compiled into code of its own."""
+    k, lowered, lower_kernel = matvec(ROWS, COLS + 256), [], lower.kernel_module  # a shape no other test compiles
+    monkeypatch.setattr(lower, "kernel_module", lambda *a, **kw: lowered.append(a[1]) or lower_kernel(*a, **kw))
+    codes = []
+    try:
+        for prefetch in cpu.tunables["prefetch"]:
+            cpu.tune(k.tune_tag, {"prefetch": prefetch})
+            codes.append(cpu.kernel_code(k))
+    finally:
+        cpu.tuned.pop(k.tune_tag, None)
+    assert len(lowered) == 1
+    assert len({c.path for c in codes}) == len(codes) and all(c.wait() for c in codes)
+
+
 @pytest.mark.parametrize("target", [None, "icelake-server"], ids=["this CPU", "VNNI"])
 def test_machine_scheduler_left_out_only_for_streaming_kernels(cpu, target):
     """LLVM's machine scheduler orders a kernel's whole module: a matvec tuned for streaming goes without it, with

@@ -392,10 +392,10 @@ class CpuDevice(Device):
         options = self.tuned.get(k.tune_tag) if k.tune_tag else None
         schedule = machine_scheduled(self, k)
         triple, cpu, features, _ = host()
-        text = digest(LOWERING, k.key(), self.width, sorted(self.instructions), self.emulation, triple, cpu, features,
-                      llvmlite.__version__)
-        name = f"k_{k.name}_{text}"
-        return self.compile(digest(text, sorted((options or {}).items()), schedule),
+        text_key = digest(LOWERING, k.key(), self.width, sorted(self.instructions), self.emulation, triple, cpu,
+                          features, llvmlite.__version__)
+        name = f"k_{k.name}_{text_key}"
+        return self.compile(digest(text_key, sorted((options or {}).items()), schedule),
                             lambda: self.kernel_text(k, name, triple), name, schedule, lower.support_ir(options))
 
     def kernel_text(self, k, name, triple):
