@@ -2,12 +2,13 @@
 
 - decode matvecs of each packed layout (one token), weights from memory (copies rotated past the caches) and
   from cache (one copy repeated): GB/s and G weights/s, with the lowering options the device tuned for them;
+- the 1B shape's dot4 decode matvecs from cache with 1, 2 and 3 digits of the input: what a digit costs;
 - matvecs of the file's layouts, the dot in its CPU form and in the form GPUs get;
 - the prefill matmuls of the 1B shape's matrices (a 64-token step);
 - the core's f32 multiply-add peak (a bare loop of independent multiply-adds), the same with half its chains
-  looking products up (AVX-512), and a prefill matmul whose weights stay in L2.
+  looking products up (AVX-512), its dot4 instruction's peak, and a prefill matmul whose weights stay in L2.
 
-    python benchmarks/kernel_speed.py [--threads N] [--only decode|file|prefill|ceiling] [--force prefetch=1]
+    python benchmarks/kernel_speed.py [--threads N] [--only decode|digits|file|prefill|ceiling] [--force prefetch=1]
 """
 import argparse
 import ctypes
@@ -83,6 +84,34 @@ def decode(dev, rng):
         print(f"{fmt.name:6} {rows:6d} x {cols:5d}   {w.nbytes / t_mem / 1e9:5.1f} GB/s {rows * cols / t_mem / 1e9:5.1f} Gw/s"
               f"   {rc * cols / t_cache / 1e9:5.1f} Gw/s   {dev.tuned.get(k.tune_tag)}")
         for b in ws + list(bufs.values()):
+            dev.free(b)
+
+
+def digits(dev, rng, rounds=15):
+    """The 1B shape's dot4 decode matvecs from cache with 1, 2 and 3 digits of the input (the int8 mode's one, the
+    exact mode's three), alternated round by round, the best of each: what each digit costs on this CPU (where its
+    dot4 instruction is the bound, each adds as much as the first)."""
+    print("\ndecode matvec from cache by digits of the input (best of %d rounds)   1 digit   2 digits   3 digits   "
+          "ns per 1000 weights a digit" % rounds)
+    for name, rows, cols in [("Q4_K", 2048, 8192), ("Q6_K", 2048, 8192)]:
+        fmt, w = packed_tensor(name, rows, cols, rng)
+        rc = max(16, min(rows, CACHED_BYTES // (w.nbytes // rows)) // 16 * 16)
+        x = rng.standard_normal(cols).astype(np.float32)
+        bufs = {"w": upload(dev, w), "x": upload(dev, x), "y": dev.alloc(rows * 4),
+                "xq": upload(dev, rng.integers(0, 256, quant.DIGITS * cols).astype(np.uint8)),
+                "xd": upload(dev, np.full(cols // 32, 1e-9, np.float32)), "xs": upload(dev, x.reshape(-1, 16).sum(1))}
+        progs = {}
+        for d in (1, 2, 3):
+            k = ops.matmul(fmt, rc, cols, 1, digits=d)
+            tuning.tune(dev, [k])
+            progs[d] = dev.program([Launch(k, {p: b for p, b in bufs.items() if p in k.buffers})] * 20)
+        values, best = {"n_tokens": 1, "t0": 0}, {d: float("inf") for d in progs}
+        for _ in range(rounds):
+            for d, prog in progs.items():
+                best[d] = min(best[d], _timed(lambda: prog.run(values)) / 20 / (rc * cols))
+        print(f"{fmt.name:6} {rc:4d} x {cols:5d}" + " " * 44 + "   ".join(f"{1e-9 / best[d]:5.1f} Gw/s" for d in progs)
+              + f"   {(best[3] - best[1]) / 2 * 1e12:5.0f}")
+        for b in bufs.values():
             dev.free(b)
 
 
@@ -162,27 +191,57 @@ def fma_peak(threads=1, iterations=20_000_000, lookups=0):
     chains = 16 if W == 16 else 12
     v, fma = f"<{W} x float>", f"@llvm.fma.v{W}f32"
     perm = "@llvm.x86.avx512.permvar.sf.512"
-    body = "".join(f"  %a{i} = phi {v} [splat (float {i}.0), %entry], [%b{i}, %loop]\n" for i in range(chains))
+    body = ""
     for i in range(chains):
         if i < chains - lookups:
             body += f"  %b{i} = call {v} {fma}({v} %a{i}, {v} splat (float 0.5), {v} splat (float 0.25))\n"
         else:  # table and indices: bits of the previous iteration's chains, so that nothing is hoisted or folded
             body += (f"  %x{i} = bitcast {v} %a{i - 1} to <16 x i32>\n"
                      f"  %p{i} = call {v} {perm}({v} %a0, <16 x i32> %x{i})\n  %b{i} = fadd {v} %a{i}, %p{i}\n")
-    total = "".join(f"  %s{i} = fadd {v} %s{i - 1}, %b{i}\n" for i in range(1, chains))
-    ir_text = (f"declare {v} {fma}({v}, {v}, {v})\n" + (f"declare {v} {perm}({v}, <16 x i32>)\n" if lookups else "") +
-               f"define float @peak(i64 %n) {{\nentry:\n  br label %loop\nloop:\n"
-               f"  %i = phi i64 [0, %entry], [%j, %loop]\n{body}  %j = add i64 %i, 1\n"
+    decls = f"declare {v} {fma}({v}, {v}, {v})\n" + (f"declare {v} {perm}({v}, <16 x i32>)\n" if lookups else "")
+    return _chain_rates(decls, v, "float", ".0", "fadd", body, chains, 2 * W, threads, iterations)
+
+
+def dot4_peak(threads=1, iterations=20_000_000):
+    """G byte products a second of each of 5 runs of each of `threads` threads running at once nothing but
+    independent dot4 instructions, the ones the decode matvecs' dots lower to: `vpdpbusd` where the CPU has
+    AVX-512 VNNI (64 products), else `pmaddubsw` (32): the bound of the exact mode's decode where it is not the
+    memory, three products a weight (one per digit of the input)."""
+    if "avx512vnni" in runtime.isa():
+        v, fn, n = "<16 x i32>", "@llvm.x86.avx512.vpdpbusd.512", 64
+        decls = f"declare {v} {fn}({v}, {v}, {v})\n"
+        step = lambda i: f"  %b{i} = call {v} {fn}({v} %a{i}, {v} splat (i32 16843009), {v} splat (i32 50529027))\n"
+    else:
+        v, fn, n = "<32 x i8>", "@llvm.x86.avx2.pmadd.ub.sw", 32
+        decls = f"declare <16 x i16> {fn}({v}, {v})\n"
+        step = lambda i: (f"  %p{i} = call <16 x i16> {fn}({v} %a{i}, {v} splat (i8 3))\n"
+                          f"  %b{i} = bitcast <16 x i16> %p{i} to {v}\n")
+    chains = 12
+    body = "".join(step(i) for i in range(chains))
+    return _chain_rates(decls, v, v.split()[-1][:-1], "", "add", body, chains, n, threads, iterations)
+
+
+def _chain_rates(decls, v, scalar, suffix, add, body, chains, units, threads, iterations):
+    """G units a second of each of 5 runs of each of `threads` threads at once of a loop of `chains` independent
+    chains: `body` makes %b{i} of %a{i} (vectors of v, of `scalar`s; `units` per instruction), for `iterations`
+    iterations; chain i starts at a splat of i + 1 (written with `suffix`: each its own, so that none is folded
+    into another) and the chains are summed with `add` at the end."""
+    phis = "".join(f"  %a{i} = phi {v} [splat ({scalar} {i + 1}{suffix}), %entry], [%b{i}, %loop]\n"
+                   for i in range(chains))
+    total = "".join(f"  %s{i} = {add} {v} %s{i - 1}, %b{i}\n" for i in range(1, chains))
+    ir_text = (decls + f"define {scalar} @peak(i64 %n) {{\nentry:\n  br label %loop\nloop:\n"
+               f"  %i = phi i64 [0, %entry], [%j, %loop]\n{phis}{body}  %j = add i64 %i, 1\n"
                f"  %c = icmp ult i64 %j, %n\n  br i1 %c, label %loop, label %done\ndone:\n"
-               f"  %s0 = fadd {v} %b0, zeroinitializer\n{total}"
-               f"  %r = extractelement {v} %s{chains - 1}, i32 0\n  ret float %r\n}}\n")
+               f"  %s0 = {add} {v} %b0, zeroinitializer\n{total}"
+               f"  %r = extractelement {v} %s{chains - 1}, i32 0\n  ret {scalar} %r\n}}\n")
     engine = llvm.create_mcjit_compiler(llvm.parse_assembly(ir_text), runtime.target_machine())
     runtime.on_llvm_thread(engine.finalize_object)  # code generation: where the programs' own options are set
-    peak = ctypes.CFUNCTYPE(ctypes.c_float, ctypes.c_int64)(engine.get_function_address("peak"))
+    ctype = {"float": ctypes.c_float, "i32": ctypes.c_int32, "i8": ctypes.c_int8}[scalar]
+    peak = ctypes.CFUNCTYPE(ctype, ctypes.c_int64)(engine.get_function_address("peak"))
     rates = [[] for _ in range(threads)]
 
     def run(t):  # the ctypes call releases the GIL: the threads run the loop at once, 5 times
-        rates[t] = [chains * iterations * 2 * W / _timed(lambda: peak(iterations)) / 1e9 for _ in range(5)]
+        rates[t] = [chains * iterations * units / _timed(lambda: peak(iterations)) / 1e9 for _ in range(5)]
     workers = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
     for w in workers:
         w.start()
@@ -205,6 +264,9 @@ def ceiling(dev, rng, T=64):
         mixed = fma_peak(dev.threads, lookups=8)
         print("the same with 8 of its 16 chains looking products up instead (vpermps and an add, products counted as "
               "multiply-adds): " + " / ".join(f"{min(r):.1f}-{max(r):.1f}" for r in mixed) + " GFLOP/s")
+    dots = dot4_peak(dev.threads)
+    print("dot4 instruction peak (vpdpbusd with AVX-512 VNNI, else pmaddubsw; independent chains, no loads): "
+          + " / ".join(f"{min(r):.1f}-{max(r):.1f}" for r in dots) + " G byte products a second")
     print("prefill matmul of 64 rows x 2,048 columns of Q4_K (from L2), 64 tokens (best of 15)")
     fmt, w = packed_tensor("Q4_K", 64, 2048, rng)
     k = ops.prefill_matmul(fmt, 64, 2048, T, tile=ops.gemm_tile(dev.caps.registers))
@@ -222,7 +284,7 @@ def ceiling(dev, rng, T=64):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--only", choices=["decode", "file", "prefill", "ceiling"], help="run one part")
+    ap.add_argument("--only", choices=["decode", "digits", "file", "prefill", "ceiling"], help="run one part")
     ap.add_argument("--force", nargs="*", default=[], metavar="OPTION=INDEX",
                     help="a tuned option's candidate for every kernel, whatever was measured (e.g. prefetch=1)")
     args = ap.parse_args()
@@ -230,7 +292,7 @@ def main():
     dev = registry.device("cpu")
     dev.configure(threads=args.threads)
     rng = np.random.default_rng(0)
-    parts = {"decode": decode, "file": file_layouts, "prefill": prefill, "ceiling": ceiling}
+    parts = {"decode": decode, "digits": digits, "file": file_layouts, "prefill": prefill, "ceiling": ceiling}
     for name, part in parts.items():
         if args.only in (None, name):
             part(dev, rng)

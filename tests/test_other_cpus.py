@@ -2,6 +2,7 @@
 made here and run with what this CPU lacks emulated (jitllm_cpu_llvm.assembly.device): every packed layout's
 matmul against gguf's values, and the default model's decode steps and prompt against transformers. Where this
 CPU has AVX-512 VNNI they run natively."""
+import numpy as np
 import pytest
 
 import jitllm_core as jl
@@ -63,28 +64,49 @@ def test_default_model_matches_transformers(vnni, default_model):
         eng.close()
 
 
-def test_byte_shuffle_emulation_is_the_instruction():
-    """lut16's AVX-512BW byte shuffle as emulated for a CPU without it: the same bytes as the instruction where this
-    CPU has it, and as its definition (each 16-byte lane's own bytes; an index with its top bit set gives 0)."""
+def _emulation_case(name, rng):
+    """(IR types of the result and operands, operands, the result by the instruction's definition)"""
+    if name == "pshuf.b.512":  # a byte shuffle within each 16-byte lane; an index with its top bit set gives 0
+        table, index = rng.integers(0, 256, 64).astype(np.uint8), rng.integers(0, 256, 64).astype(np.uint8)
+        return ["<64 x i8>"] * 3, [table, index], np.where(index >= 128, 0, table[(np.arange(64) & ~15) + (index & 15)])
+    if name == "permvar.sf.512":  # a lane permutation by each index's low 4 bits
+        table, index = rng.standard_normal(16).astype(np.float32), rng.integers(-2**31, 2**31, 16).astype(np.int32)
+        return ["<16 x float>", "<16 x float>", "<16 x i32>"], [table, index], table[index & 15]
+    n = int(name.rsplit(".", 1)[1]) // 32  # vpdpbusd: acc + per lane 4 products of a's unsigned and b's signed bytes
+    acc = rng.integers(-2**30, 2**30, n).astype(np.int32)
+    a, b = rng.integers(0, 256, 4 * n).astype(np.uint8), rng.integers(-128, 128, 4 * n).astype(np.int8)
+    a[:8], b[:8] = 255, -128  # the extremes (a pmaddubsw pair sum would saturate)
+    want = acc + (a.astype(np.int32) * b).reshape(n, 4).sum(1).astype(np.int32)
+    return [f"<{n} x i32>"] * 4, [acc, a.view(np.int32), b.view(np.int32)], want
+
+
+@pytest.mark.parametrize("name", ["pshuf.b.512", "permvar.sf.512", "vpdpbusd.512", "vpdpbusd.256"])
+def test_emulations_are_the_instruction(name):
+    """AVX-512's byte shuffle (lut16), lane permutation (lookup16) and dot4 (vpdpbusd) as emulated for a CPU
+    without them, in plain IR and (where it has AVX2) by its instructions: the same as the instruction's
+    definition, and as the instruction where this CPU has it."""
     import ctypes
 
     import llvmlite.binding as llvm
-    import numpy as np
     from jitllm_cpu_llvm import emulation, runtime
-    if "avx512bw" not in runtime.isa():
-        pytest.skip("this CPU has no AVX-512BW to compare the emulation with")
-    v = "<64 x i8>"
-    text = (f'declare {v} @"llvm.x86.avx512.pshuf.b.512"({v} %".1", {v} %".2")\n'  # as llvmlite declares it
-            f"define void @f(ptr %o, ptr %t, ptr %i) {{\n%a = load {v}, ptr %t, align 1\n%b = load {v}, ptr %i, align 1\n"
-            f'%r = call {v} @"llvm.x86.avx512.pshuf.b.512"({v} %a, {v} %b)\nstore {v} %r, ptr %o, align 1\nret void\n}}\n')
-    rng = np.random.default_rng(0)
-    table, index = rng.integers(0, 256, 64).astype(np.uint8), rng.integers(0, 256, 64).astype(np.uint8)
-    want = np.where(index >= 128, 0, table[(np.arange(64) & ~15) + (index & 15)]).astype(np.uint8)
-    for source in (text, emulation.emulated(text, ["avx2"])):
-        mod = llvm.parse_assembly(source)
-        engine = llvm.create_mcjit_compiler(mod, runtime.target_machine())
+    (ret, *types), inputs, want = _emulation_case(name, np.random.default_rng(0))
+    fn = f'@"llvm.x86.avx512.{name}"'
+    params = ", ".join(f'{t} %".{i + 1}"' for i, t in enumerate(types))  # as llvmlite declares it
+    ptrs = ", ".join(f"ptr %p{i}" for i in range(len(types)))
+    loads = "".join(f"%v{i} = load {t}, ptr %p{i}, align 1\n" for i, t in enumerate(types))
+    args = ", ".join(f"{t} %v{i}" for i, t in enumerate(types))
+    text = (f"declare {ret} {fn}({params})\ndefine void @f(ptr %o, {ptrs}) {{\n{loads}"
+            f"%r = call {ret} {fn}({args})\nstore {ret} %r, ptr %o, align 1\nret void\n}}\n")
+    sources = [emulation.emulated(text, [])]  # plain IR
+    if "avx2" in runtime.isa():
+        sources.append(emulation.emulated(text, ["avx2"]))
+        assert "@llvm.x86.avx2." in sources[-1] and sources[-1] != sources[0]
+    if any(need <= runtime.isa() for need in emulation.NEEDS[f"llvm.x86.avx512.{name}"]):
+        sources.append(text)
+    for source in sources:
+        engine = llvm.create_mcjit_compiler(llvm.parse_assembly(source), runtime.target_machine())
         engine.finalize_object()
-        out = np.zeros(64, np.uint8)
-        ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)(engine.get_function_address("f"))(
-            out.ctypes.data, table.ctypes.data, index.ctypes.data)
+        out = np.zeros_like(want)
+        ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * (len(inputs) + 1))(engine.get_function_address("f"))(
+            out.ctypes.data, *[x.ctypes.data for x in inputs])
         np.testing.assert_array_equal(out, want)
