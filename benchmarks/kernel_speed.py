@@ -208,9 +208,9 @@ def dot4_peak(threads=1, iterations=20_000_000):
     AVX-512 VNNI (64 products), else `pmaddubsw` (32): the bound of the exact mode's decode where it is not the
     memory, three products a weight (one per digit of the input)."""
     if "avx512vnni" in runtime.isa():
-        v, fn, n = "<16 x i32>", "@llvm.x86.avx512.vpdpbusd.512", 64
-        decls = f"declare {v} {fn}({v}, {v}, {v})\n"
-        step = lambda i: f"  %b{i} = call {v} {fn}({v} %a{i}, {v} splat (i32 16843009), {v} splat (i32 50529027))\n"
+        v, fn, n, b = "<16 x i32>", "@llvm.x86.avx512.vpdpbusd.512", 64, "<64 x i8>"  # its bytes as lower.py's
+        decls = f"declare {v} {fn}({v}, {b}, {b})\n"
+        step = lambda i: f"  %b{i} = call {v} {fn}({v} %a{i}, {b} splat (i8 1), {b} splat (i8 3))\n"
     else:
         v, fn, n = "<32 x i8>", "@llvm.x86.avx2.pmadd.ub.sw", 32
         decls = f"declare <16 x i16> {fn}({v}, {v})\n"
