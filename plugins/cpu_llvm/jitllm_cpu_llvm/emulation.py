@@ -1,8 +1,9 @@
 """Programs of a CPU with instructions this one lacks, made runnable here: each x86 intrinsic the lowering may call
 for such a CPU, where this one has not the features it needs, becomes a function of plain LLVM IR with the
 instruction's documented semantics (Intel's), which LLVM compiles for any x86 (a 16-lane vector as two or four of
-this CPU's), or where this CPU has AVX2, of its instructions (LLVM generates code for those far faster). So the programs an AVX-512 VNNI machine runs -- their lanes, loops, prefetches and dots -- run and are
-checked on an AVX2 one (`assembly.device`), slowly."""
+this CPU's), or, where this CPU has AVX2, a function of AVX2's instructions (whose code LLVM generates far faster).
+So the programs an AVX-512 VNNI machine runs -- their lanes, loops, prefetches and dots -- run and are checked on an
+AVX2 one (`assembly.device`), slowly."""
 import re
 
 from jitllm_core.errors import BackendError
