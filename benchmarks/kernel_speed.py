@@ -59,25 +59,36 @@ def seconds(prog, values, repeats=7):
     return float(np.median([_timed(lambda: prog.run(values)) for _ in range(repeats)]))
 
 
+def decode_inputs(dev, fmt, rows, cols, rng):
+    """A decode matvec's buffers but its weights, uploaded: x, y, and for a dot4 layout the input as quantize_input
+    writes it (any digits do for timing)."""
+    x = rng.standard_normal(cols).astype(np.float32)
+    bufs = {"x": upload(dev, x), "y": dev.alloc(rows * 4)}
+    if fmt.digits:
+        bufs.update({"xq": upload(dev, rng.integers(0, 256, quant.DIGITS * cols).astype(np.uint8)),
+                     "xd": upload(dev, np.full(cols // 32, 1e-9, np.float32)),
+                     "xs": upload(dev, x.reshape(-1, 16).sum(1))})
+    return bufs
+
+
+def cached_rows(w, rows):
+    """The first rows of packed matrix w (a packed tensor's row groups come in order) that fit in a core's L2."""
+    return max(16, min(rows, CACHED_BYTES // (w.nbytes // rows)) // 16 * 16)
+
+
 def decode(dev, rng):
     print("decode matvec, 1 token           from memory            from cache   tuned")
     for name, rows, cols in DECODE:
         fmt, w = packed_tensor(name, rows, cols, rng)
         copies = max(2, int(200e6 // w.nbytes))
         ws = [upload(dev, w) for _ in range(copies)]
-        x = rng.standard_normal(cols).astype(np.float32)
-        bufs = {"x": upload(dev, x), "y": dev.alloc(rows * 4)}
-        if fmt.digits:  # the input as quantize_input writes it: any digits do for timing
-            bufs.update({"xq": upload(dev, rng.integers(0, 256, quant.DIGITS * cols).astype(np.uint8)),
-                         "xd": upload(dev, np.full(cols // 32, 1e-9, np.float32)),
-                         "xs": upload(dev, x.reshape(-1, 16).sum(1))})
+        bufs = decode_inputs(dev, fmt, rows, cols, rng)
         k = ops.matmul(fmt, rows, cols, 1)
         tuning.tune(dev, [k])  # the options the engine's decode step gets on this machine
         launches = [Launch(k, {p: b for p, b in {**bufs, "w": wb}.items() if p in k.buffers}) for wb in ws]
         values = {"n_tokens": 1, "t0": 0}
         t_mem = seconds(dev.program(launches), values) / copies
-        # from cache: the matrix's first rows, as many as fit in L2 (a packed tensor's row groups come in order)
-        rc = max(16, min(rows, CACHED_BYTES // (w.nbytes // rows)) // 16 * 16)
+        rc = cached_rows(w, rows)  # from cache
         kc = ops.matmul(fmt, rc, cols, 1)
         t_cache = seconds(dev.program([Launch(kc, {p: b for p, b in {**bufs, "w": ws[0]}.items()
                                                    if p in kc.buffers})] * 20), values) / 20
@@ -95,11 +106,8 @@ def digits(dev, rng, rounds=15):
           "ns per 1000 weights a digit" % rounds)
     for name, rows, cols in [("Q4_K", 2048, 8192), ("Q6_K", 2048, 8192)]:
         fmt, w = packed_tensor(name, rows, cols, rng)
-        rc = max(16, min(rows, CACHED_BYTES // (w.nbytes // rows)) // 16 * 16)
-        x = rng.standard_normal(cols).astype(np.float32)
-        bufs = {"w": upload(dev, w), "x": upload(dev, x), "y": dev.alloc(rows * 4),
-                "xq": upload(dev, rng.integers(0, 256, quant.DIGITS * cols).astype(np.uint8)),
-                "xd": upload(dev, np.full(cols // 32, 1e-9, np.float32)), "xs": upload(dev, x.reshape(-1, 16).sum(1))}
+        rc = cached_rows(w, rows)
+        bufs = {"w": upload(dev, w), **decode_inputs(dev, fmt, rows, cols, rng)}
         progs = {}
         for d in (1, 2, 3):
             k = ops.matmul(fmt, rc, cols, 1, digits=d)

@@ -37,13 +37,20 @@ def emulated(text, host_features):
                             f"define internal {ret} {own}({', '.join(f'{t} %a{i}' for i, t in enumerate(types))}) "
                             f"alwaysinline {{\n{body}\n}}")
         text = text.replace(f'@"{name}"', own)
-    for n in sorted(set(re.findall(r"@llvm\.sadd\.sat\.v(\d+)i16\(", text))):  # what the bodies call
-        if f"declare <{n} x i16> @llvm.sadd.sat.v{n}i16" not in text:
-            text += f"\ndeclare <{n} x i16> @llvm.sadd.sat.v{n}i16(<{n} x i16>, <{n} x i16>)\n"
-    for name, declaration in AVX2_DECLARES.items():
-        if f"@{name}(" in text and not re.search(rf'^declare .*@"?{re.escape(name)}"?\(', text, re.M):
-            text += f"\n{declaration}\n"
+    for name in sorted(set(re.findall(r"@(llvm\.[\w.]+)\(", text))):  # what the bodies call (names unquoted)
+        if not re.search(rf'^declare .*@"?{re.escape(name)}"?\(', text, re.M):
+            text += f"\ndeclare {_signature(name)}\n"
     return text
+
+
+def _signature(name):
+    """The declaration, less `declare`, of an intrinsic the bodies call."""
+    sat = re.fullmatch(r"llvm\.sadd\.sat\.v(\d+)i16", name)
+    if sat:
+        v = f"<{sat.group(1)} x i16>"
+        return f"{v} @{name}({v}, {v})"
+    ret, params = CALLED[name]
+    return f"{ret} @{name}({params})"
 
 
 def _lanes(t):
@@ -178,6 +185,6 @@ BODIES = {"llvm.x86.avx512.vpdpbusd": _vpdpbusd, "llvm.x86.avx512.pmaddubs.w": _
 # emulated lane by lane, 12 s for one of dot4s widened to i32 (a few and under 1 s by these)
 AVX2_BODIES = {"llvm.x86.avx512.pshuf.b": _pshufb_halves, "llvm.x86.avx512.permvar.sf": _permvar_halves,
                "llvm.x86.avx512.vpdpbusd": _vpdpbusd_by_pmaddwd}
-AVX2_DECLARES = {"llvm.x86.avx2.pshuf.b": "declare <32 x i8> @llvm.x86.avx2.pshuf.b(<32 x i8>, <32 x i8>)",
-                 "llvm.x86.avx2.permps": "declare <8 x float> @llvm.x86.avx2.permps(<8 x float>, <8 x i32>)",
-                 "llvm.x86.avx2.pmadd.wd": "declare <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16>, <16 x i16>)"}
+CALLED = {"llvm.x86.avx2.pshuf.b": ("<32 x i8>", "<32 x i8>, <32 x i8>"),  # AVX2_BODIES' instructions
+          "llvm.x86.avx2.permps": ("<8 x float>", "<8 x float>, <8 x i32>"),
+          "llvm.x86.avx2.pmadd.wd": ("<8 x i32>", "<16 x i16>, <16 x i16>")}
