@@ -380,9 +380,10 @@ def test_cpu_llvm_compile_process_that_dies_is_an_error_naming_the_device(cpu, t
     raises an error naming the device and what happened, and the next module gets a process of its own; where no
     process can be started (no Python executable), modules compile in the engine's process."""
     from jitllm_core.errors import BackendError
+    from jitllm_core.cache import write_atomic
     from jitllm_cpu_llvm import compiler, lower, runtime
     monkeypatch.setenv("JITLLM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(runtime, "_COMPILERS", compiler.Compilers(1))
+    monkeypatch.setattr(runtime, "_COMPILERS", compiler.Compilers(1, write_atomic))
     step = "define void @jl_step(ptr, ptr, i32, i32, ptr, ptr) { ret void }"
     for name, python in (("dies", "/bin/false"), ("here", tmp_path / "none"), ("lives", compiler.sys.executable)):
         monkeypatch.setattr(compiler.sys, "executable", str(python))  # /bin/false: a "compiler" that exits at once
@@ -399,7 +400,7 @@ def test_cpu_llvm_compile_process_that_dies_is_an_error_naming_the_device(cpu, t
     # same where modules compile in the engine's process
     for python in (compiler.sys.executable, tmp_path / "none"):
         monkeypatch.setattr(compiler.sys, "executable", str(python))
-        monkeypatch.setattr(runtime, "_COMPILERS", compiler.Compilers(1))  # a thread of its own: no process yet
+        monkeypatch.setattr(runtime, "_COMPILERS", compiler.Compilers(1, write_atomic))  # a thread of its own: no process yet
         with pytest.raises(RuntimeError, match="FileNotFoundError"):
             runtime._COMPILERS.submit(step, lower.SUPPORT_IR, True, tmp_path / "gone" / "x.o").result()
         assert runtime._COMPILERS.submit(step, lower.SUPPORT_IR, True, tmp_path / "x.o").result() is None

@@ -3,8 +3,8 @@ code -- which runs in processes of its own (`compile_object`), as many modules a
 
 Why processes: llvmlite holds one lock around every call into LLVM, so threads compile one module at a time, and the
 machine scheduler is a process-wide option set per module. A process compiles one module at a time with its own
-option and lock; the object file it writes is what a warm start loads (runtime.Compiled), and an LLVM crash there
-breaks that process, not the engine's.
+option and lock; the object code it sends back, written to the cache, is what a warm start loads (runtime.Compiled),
+and an LLVM crash there breaks that process, not the engine's.
 """
 from __future__ import annotations
 
@@ -19,8 +19,6 @@ import threading
 from pathlib import Path
 
 import llvmlite.binding as llvm
-
-from jitllm_core.cache import write_atomic
 
 _local = threading.local()  # a thread's pass builder, and in the parent its compile process
 _in_process = threading.Lock()  # modules compiled in this process (Compilers, without processes): one at a time
@@ -69,10 +67,9 @@ def machine_scheduler(on):
     llvm.set_option("", f"-enable-misched={'true' if on else 'false'}")
 
 
-def compile_object(text, support, schedule, path):
-    """In a compile process: the module's object code for this CPU as MCJIT makes it, written to `path` (whole or
-    not at all: a reader never sees half of it). LLVM's parse, verify and code generation errors are raised as
-    RuntimeError."""
+def compile_object(text, support, schedule):
+    """In a compile process: the module's object code for this CPU as MCJIT makes it. LLVM's parse, verify and code
+    generation errors are raised as RuntimeError."""
     mod = llvm.parse_assembly(text)
     mod.link_in(llvm.parse_assembly(support))  # the support functions' IR
     mod.verify()
@@ -81,17 +78,16 @@ def compile_object(text, support, schedule, path):
     engine, made = llvm.create_mcjit_compiler(mod, target_machine()), []
     engine.set_object_cache(lambda _mod, buf: made.append(buf), lambda _mod: None)
     engine.finalize_object()
-    write_atomic(Path(path), made[0])  # (not in the callback, whose errors ctypes would swallow)
+    return made[0]
 
 
 def outcome(job):
-    """`compile_object(*job)`'s outcome as a compile process answers it: None, or its error's text (LLVM's, or the
-    cache's: a full disk) -- the same wherever the module compiled."""
+    """`compile_object(*job)`'s outcome as a compile process answers it: (the object code, None), or (None, its
+    error's text) -- the same wherever the module compiled."""
     try:
-        compile_object(*job)
+        return compile_object(*job), None
     except Exception as e:  # noqa: BLE001 (any error is the module's answer; the process serves the next)
-        return str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}"
-    return None
+        return None, str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}"
 
 
 class Crashed(Exception):
@@ -99,40 +95,45 @@ class Crashed(Exception):
 
 
 class Compilers:
-    """Compile processes (`python -m jitllm_cpu_llvm.compiler`), each fed by a thread of the engine's process that
-    sends it one module at a time: `submit` returns a future of `compile_object`'s outcome. Plain processes, not
-    multiprocessing's, which would import the user's main script again in each. Started at the first module a
+    """Compile processes (this file run as a script: it imports no more than llvmlite, so a process starts in a
+    fifth of a second, not half of one), each fed by a thread of the engine's process that sends it one module at
+    a time: `submit` returns a future done once its object code is written to `path` (by `write`). Plain
+    processes, not multiprocessing's, which would import the user's main script again in each. Started at the first module a
     cold cache leaves to compile; a process that crashed is started anew for the next module. Where no process
     can be started (no Python executable to run: an embedded interpreter), modules compile in this process, one
     at a time."""
 
-    def __init__(self, n):
+    def __init__(self, n, write):
         self.pool = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="jitllm-compile")
+        self.write = write
 
     def submit(self, text, support, schedule, path):
-        return self.pool.submit(self._compile, (text, support, schedule, str(path)))
+        return self.pool.submit(self._compile, (text, support, schedule), Path(path))
 
-    @staticmethod
-    def _compile(job):
+    def _compile(self, job, path):
         proc = getattr(_local, "proc", None)
         if proc is None or proc.poll() is not None:
             try:
-                proc = _local.proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
+                proc = _local.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE,
                                                       stdout=subprocess.PIPE)
             except OSError:
                 proc = None
         if proc is None:
             with _in_process:
-                error = outcome(job)
+                obj, error = outcome(job)
         else:
             try:
                 _send(proc.stdin, job)
-                error = _receive(proc.stdout)
+                obj, error = _receive(proc.stdout)
             except (OSError, EOFError) as e:
                 proc.kill()
                 raise Crashed(f"the compile process ended (exit status {proc.wait()})") from e
         if error is not None:
             raise RuntimeError(error)
+        try:
+            self.write(path, obj)
+        except OSError as e:  # the cache's error (a full disk): the module's answer, as LLVM's are
+            raise RuntimeError(f"{type(e).__name__}: {e}") from None
 
 
 def _send(f, obj):
@@ -151,8 +152,8 @@ def _receive(f):
 
 
 def serve():
-    """A compile process: modules from stdin, each answered on stdout with None or its error (LLVM's, or the
-    cache's: a full disk); stdout is the answers' alone (whatever else would print there goes to stderr)."""
+    """A compile process: modules from stdin, each answered on stdout with its `outcome`; stdout is the answers'
+    alone (whatever else would print there goes to stderr)."""
     answers = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     requests = sys.stdin.buffer

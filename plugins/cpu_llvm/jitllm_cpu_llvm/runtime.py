@@ -21,7 +21,7 @@ import llvmlite
 import llvmlite.binding as llvm
 import numpy as np
 
-from jitllm_core.cache import cache_dir, digest
+from jitllm_core.cache import cache_dir, digest, write_atomic
 from jitllm_core.errors import BackendError
 from jitllm_core.plugin import BackendUnavailable, Buffer, Caps, Device, Program
 
@@ -102,7 +102,7 @@ def compile_failed(device_name, e):
 # it loads compiled code there; compile processes (compiler.Compilers) make the code, as many modules at once as
 # there are cores, up to 4 (a cold start compiles a tuning's variants, then the kernels of prefill and decode)
 _LLVM = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jitllm-llvm")
-_COMPILERS = compiler.Compilers(max(1, min(4, os.cpu_count() or 1)))
+_COMPILERS = compiler.Compilers(max(1, min(4, os.cpu_count() or 1)), write_atomic)
 # every Compiled by its key, made once a process and kept for its life whatever becomes of its device: compiled code is
 # never unloaded (Workers), and a device let go of (tests make some for other CPUs) took the process down as its
 # engines and their LLVM contexts were collected
