@@ -400,7 +400,8 @@ def test_cpu_llvm_compile_process_that_dies_is_an_error_naming_the_device(cpu, t
     # same where modules compile in the engine's process
     for python in (compiler.sys.executable, tmp_path / "none"):
         monkeypatch.setattr(compiler.sys, "executable", str(python))
-        monkeypatch.setattr(runtime, "_COMPILERS", compiler.Compilers(1, write_atomic))  # a thread of its own: no process yet
+        # a thread of its own: no process yet
+        monkeypatch.setattr(runtime, "_COMPILERS", compiler.Compilers(1, write_atomic))
         with pytest.raises(RuntimeError, match="FileNotFoundError"):
             runtime._COMPILERS.submit(step, lower.SUPPORT_IR, True, tmp_path / "gone" / "x.o").result()
         assert runtime._COMPILERS.submit(step, lower.SUPPORT_IR, True, tmp_path / "x.o").result() is None

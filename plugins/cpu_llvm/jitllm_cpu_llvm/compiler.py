@@ -98,8 +98,8 @@ class Compilers:
     """Compile processes (this file run as a script: it imports no more than llvmlite, so a process starts in a
     fifth of a second, not half of one), each fed by a thread of the engine's process that sends it one module at
     a time: `submit` returns a future done once its object code is written to `path` (by `write`). Plain
-    processes, not multiprocessing's, which would import the user's main script again in each. Started at the first module a
-    cold cache leaves to compile; a process that crashed is started anew for the next module. Where no process
+    processes, not multiprocessing's, which would import the user's main script again in each. Started at the
+    first module a cold cache leaves to compile; a process that crashed is started anew for the next module. Where no process
     can be started (no Python executable to run: an embedded interpreter), modules compile in this process, one
     at a time."""
 
