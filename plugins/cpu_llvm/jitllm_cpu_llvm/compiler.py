@@ -99,9 +99,9 @@ class Compilers:
     fifth of a second, not half of one), each fed by a thread of the engine's process that sends it one module at
     a time: `submit` returns a future done once its object code is written to `path` (by `write`). Plain
     processes, not multiprocessing's, which would import the user's main script again in each. Started at the
-    first module a cold cache leaves to compile; a process that crashed is started anew for the next module. Where no process
-    can be started (no Python executable to run: an embedded interpreter), modules compile in this process, one
-    at a time."""
+    first module a cold cache leaves to compile; a process that crashed is started anew for the next module.
+    Where no process can be started (no Python executable to run: an embedded interpreter), modules compile in
+    this process, one at a time."""
 
     def __init__(self, n, write):
         self.pool = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="jitllm-compile")
