@@ -47,6 +47,18 @@ def test_devices_lists_the_cpu(only_plugins, capsys):
     assert re.search(r"^cpu\s+ok\s+cpu", out, re.M), out
 
 
+def test_a_named_device_probes_only_its_backend(only_plugins, monkeypatch):
+    """An engine on named devices starts without probing the other backends (a Vulkan instance, a CUDA driver);
+    asked for all, every backend is probed."""
+    pytest.importorskip("jitllm_cpu_llvm")
+    only_plugins(None)
+    monkeypatch.setattr(registry, "_probed", {})
+    assert registry.device("cpu").backend == "cpu"
+    assert [be.name for be in registry._probed] == ["cpu"]
+    registry.backend_status()
+    assert set(registry._probed) == set(registry._get()[1])
+
+
 def test_plan_what_if_reproduces_the_classic_example(tmp_path, capsys):
     hw = tmp_path / "hw.toml"
     hw.write_text(CLASSIC)

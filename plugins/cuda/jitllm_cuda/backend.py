@@ -6,9 +6,6 @@ import time
 from jitllm_core.errors import BackendError
 from jitllm_core.plugin import Backend, BackendUnavailable
 
-from . import compiler
-from .lower import lower
-
 
 class CudaBackend(Backend):
     name = "cuda"
@@ -41,6 +38,8 @@ class CudaBackend(Backend):
     def compile_ahead(kernels, arch: str) -> list[dict]:
         """Lower and compile kernels to cubins for `arch` (e.g. "sm_90") into the disk cache; no GPU needed.
         Returns one {name, seconds, bytes, cached} per kernel."""
+        from . import compiler  # (here: the plugin's import, at every engine's start, loads neither)
+        from .lower import lower
         compiler.check_arch(arch)
         report = []
         for k in kernels:
