@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait as finished
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import faults, ir, ops, quant, registry, tuning
+from . import background, faults, ir, ops, quant, registry, tuning
 from .errors import BackendError, ContextLimitError, JitllmError, check_whole, is_whole
 from .kvcache import SEQUENCES, PagePool, Parked, Sequence, first_live_page
 from .llama import Llama, interleaves
@@ -194,8 +194,8 @@ class Engine:
         self.stats = {"steps": 0, "tokens": 0, "bytes_read": {}, "bytes_crossed": {}, "crossings": 0,
                       "bytes_per_token": 0, "batched_steps": 0}
         self._streamer = ThreadPoolExecutor(1, thread_name_prefix="jitllm-stream")
-        # compiles the batched steps' programs that drafts run in, from an engine's first reply on (`_compile_batched`)
-        self._builder, self._batch_build = ThreadPoolExecutor(1, thread_name_prefix="jitllm-build"), None
+        # the batched steps' programs that drafts run in, compiled from an engine's first reply on (`_compile_batched`)
+        self._batch_build = None
         layout = resolve(self, placement, n_device_layers)
         total = len(layout)
         for i, (unit, (dev_name, residency)) in enumerate(layout.items()):
@@ -421,19 +421,21 @@ class Engine:
         self.stats["bytes_per_token"] = self._weight_bytes()
 
     def _compile_batched(self):
-        """Start compiling the batched steps' programs on the builder's thread, once: a reply drafts only once they
-        are ready, so that its first draft does not wait for them (2.6 s for SmolLM2 with a cold kernel cache).
-        Started by the first reply after its prompt (not by `Engine()`: it would slow the first token)."""
+        """Start compiling the batched steps' programs as background work (`background`: while no reply runs),
+        once: a reply drafts only once they are ready, so that its first draft does not wait for them (2.6 s for
+        SmolLM2 with a cold kernel cache). Started by the first reply after its prompt (not by `Engine()`: it would
+        slow the first token)."""
         with self._lock:
             if self._batch_build is None:
                 segs = list(self.segments)
-                self._batch_build = self._builder.submit(lambda: [self._batch_program(seg) for seg in segs])
+                self._batch_build = background.start(lambda: [self._batch_program(seg) for seg in segs],
+                                                     "jitllm-build")
 
     def wait_compiled(self):
         """Compile the batched steps' programs that drafts run in, if the engine has not yet, and wait for them;
         replies draft only once they are ready."""
         self._compile_batched()
-        finished([self._batch_build])
+        background.wait(self._batch_build)
 
     def _weight_bytes(self):
         """Weight bytes one decode step reads: every unit's tensors, but only one row of the embedding (and a
@@ -576,8 +578,8 @@ class Engine:
         """One decode step of several sequences, token i at the end of seqs[i] -- a sequence named k times takes k
         tokens, at its next k positions (a draft) -- (each checked, its pages there: `_run_waiting`), every weight
         read once for all; returns their logits rows. Lock held."""
-        if self._batch_build is not None:
-            self._batch_build.result()  # the builder's programs (its compile error, if any, raised here)
+        if self._batch_build is not None:  # the background work's programs (its compile error, if any, raised here)
+            background.wait(self._batch_build).result()
         self._upload_tables(seqs, "bptab")
         ahead, positions = {}, []
         for seq in seqs:
@@ -598,6 +600,7 @@ class Engine:
         two generations at once needs none) or, where the engine drafts, on the builder's thread after it is made
         (`_step_batch` waits for that)."""
         if seg.batch is None:
+            background.pause()
             slot = seg.slot if seg.streamed is not None else None
             seg.batch = self.devices[seg.device].program(
                 [ln for u in seg.units for ln in self._bind(u, seg.device, slot=slot, batch=True)])
@@ -777,6 +780,7 @@ class Engine:
         # rows of logits not yet sampled: the last step's, in order; drafts[i] the token rows[i + 1] followed
         rows, drafts, drafted = [], [], 0
         drafter = Drafter(ids, self.speculate) if self.speculate else None
+        background.reply_started()  # background work waits till the reply's end
         try:
             t = time.perf_counter()
             chunks = self._chunks(ids[cached:])  # from a step boundary: the steps a fresh run takes
@@ -841,6 +845,7 @@ class Engine:
             clean = True
             raise
         finally:
+            background.reply_ended()
             self._forget(seq, rows)
             if decoding:
                 with self._waiting_cv:
@@ -869,7 +874,7 @@ class Engine:
         if not self.segments:
             raise JitllmError("the engine is closed")
         if self._batch_build is not None:
-            finished([self._batch_build])  # the builder binds buffers that a move frees
+            background.wait(self._batch_build)  # the build binds buffers that a move frees
         return Migration(self, layers, device).start(wait)
 
     def __enter__(self):
@@ -881,7 +886,8 @@ class Engine:
     def close(self):
         """Free every device buffer; the engine is unusable after (calls raise "the engine is closed")."""
         self._streamer.shutdown()
-        self._builder.shutdown()  # waits for a build: its programs bind the buffers freed below
+        if self._batch_build is not None:
+            background.wait(self._batch_build)  # its programs bind the buffers freed below
         with self._lock:
             for st in self.units.values():
                 if st.kv:

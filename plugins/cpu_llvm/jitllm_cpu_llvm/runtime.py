@@ -21,6 +21,7 @@ import llvmlite
 import llvmlite.binding as llvm
 import numpy as np
 
+from jitllm_core import background
 from jitllm_core.cache import cache_dir, digest, write_atomic
 from jitllm_core.errors import BackendError
 from jitllm_core.plugin import BackendUnavailable, Buffer, Caps, Device, Program
@@ -103,6 +104,9 @@ def compile_failed(device_name, e):
 # there are cores, up to 4 (a cold start compiles a tuning's variants, then the kernels of prefill and decode)
 _LLVM = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jitllm-llvm")
 _COMPILERS = compiler.Compilers(max(1, min(4, os.cpu_count() or 1)), write_atomic)
+# and for background work's modules (jitllm_core.background: the programs drafts run in), processes of its own: started
+# by that work's thread, they share its low priority, where a reply's compiles must not wait behind them
+_BACKGROUND_COMPILERS = compiler.Compilers(1, write_atomic)
 # every Compiled by its key, made once a process and kept for its life whatever becomes of its device: compiled code is
 # never unloaded (Workers), and a device let go of (tests make some for other CPUs) took the process down as its
 # engines and their LLVM contexts were collected
@@ -146,7 +150,8 @@ class Compiled:
         return self._address
 
     def _submit(self):
-        self._compiling = _COMPILERS.submit(self._text_fn(), self.support, self.schedule, self.path)
+        pool = _BACKGROUND_COMPILERS if background.in_background() else _COMPILERS
+        self._compiling = pool.submit(self._text_fn(), self.support, self.schedule, self.path)
 
     def _join(self):
         if self._compiling is not None:
@@ -246,7 +251,10 @@ class CpuProgram(Program):
         self.slots = (ctypes.c_int32 * max(1, len(slots)))(*slots)
         barriers = set(barriers_needed(launches)) | {len(launches) - 1}
         self.stamps = CpuBuffer(device, 8 * (len(launches) + 1)) if timed else None
-        self.code = [device.kernel_code(ln.kernel) for ln in launches]
+        self.code = []
+        for ln in launches:
+            background.pause()  # a kernel's code is lowered on this thread: background work's waits for replies
+            self.code.append(device.kernel_code(ln.kernel))
         self.kernel_code = {ln.kernel.key(): code for ln, code in zip(launches, self.code)}
         self.runner = device.compile(_runner_key(), lambda: lower.runner_module(host()[0]), "jl_run")
         claims = [lower.claim_counters(ln.kernel) * lower.CLAIM_STRIDE for ln in launches]
