@@ -37,18 +37,33 @@ def test_model_logits_independent_of_thread_count(default_model, two_threads):
     assert np.array_equal(one, two) and out1 == out2
 
 
+def _count_kernel():
+    """A kernel that adds one to each of its buffer's first n elements, in parallel."""
+    from jitllm_core import ir
+    k = ir.Kernel("count_iterations")
+    k.buffer("y", "i32", 4096, True)
+    with k.parallel("i", k.scalar("n")) as i:
+        k.store("y", i, k.load("y", i) + 1)
+    return k.finish()
+
+
+def _counting_program(dev, threads):
+    """Three launches of `_count_kernel`: twice on one buffer (a barrier between them), once on another."""
+    from jitllm_core.plugin import Launch
+    k = _count_kernel()
+    dev.configure(threads=threads)
+    a, b = dev.alloc(4096 * 4), dev.alloc(4096 * 4)
+    return dev.program([Launch(k, {"y": a}, {"n": "n"}), Launch(k, {"y": a}, {"n": "n"}),
+                        Launch(k, {"y": b}, {"n": "n"})]), a, b
+
+
 def test_claimed_iterations_cover_each_run_once(two_threads):
     """Half a parallel loop is claimed in chunks from a counter per launch: every iteration runs exactly once in
     every run of a program (the counters start from zero again), for two independent launches back to back (no
     barrier between them), for loops with fewer iterations than threads x 2, and either side of the length up to
     which a loop that streams no weights is split into even shares with nothing claimed (lower.STATIC_ITERATIONS)."""
-    from jitllm_core import ir
     from jitllm_core.plugin import Launch
-    k = ir.Kernel("count_iterations")
-    k.buffer("y", "i32", 4096, True)
-    with k.parallel("i", k.scalar("n")) as i:
-        k.store("y", i, k.load("y", i) + 1)
-    k = k.finish()
+    k = _count_kernel()
     dev = two_threads
     dev.configure(threads=3)
     a, b = dev.alloc(4096 * 4), dev.alloc(4096 * 4)
@@ -62,6 +77,47 @@ def test_claimed_iterations_cover_each_run_once(two_threads):
         got = dev.download(buf).view(np.int32)
         assert np.array_equal(got, sum((np.arange(4096) < n).astype(np.int32) for n in ns))
     dev.free(a), dev.free(b)
+
+
+def test_threads_that_sleep_at_every_barrier_wait_for_one_another(monkeypatch):
+    """With no time to spin, a thread that reaches a barrier first sleeps (Linux's futex; elsewhere it yields) and
+    the last one in wakes it: every run of a program completes, each launch after the one it depends on. A lost
+    wake-up would leave the program waiting: it runs on a thread of its own, given 60 s, on a device of its own."""
+    import threading
+    runtime = pytest.importorskip("jitllm_cpu_llvm.runtime")
+    monkeypatch.setattr(runtime, "SPIN_TICKS", 0)
+    monkeypatch.setattr(runtime, "SPIN_TICKS_SHARED", 0)
+    dev = runtime.CpuDevice("cpu:asleep", 3, 1 << 26)
+    prog, a, b = _counting_program(dev, 3)
+    runs = [1 + (r * 997) % 4096 for r in range(3000)]
+    done = threading.Thread(target=lambda: [prog.run({"n": n}) for n in runs], daemon=True)
+    done.start()
+    done.join(60)
+    assert not done.is_alive(), "a program whose threads sleep at its barriers did not finish"
+    counts = sum((np.arange(4096) < n).astype(np.int32) for n in runs)
+    assert np.array_equal(dev.download(a).view(np.int32), 2 * counts)
+    assert np.array_equal(dev.download(b).view(np.int32), counts)
+    dev.free(a), dev.free(b)
+
+
+def test_barriers_spin_briefly_while_other_tasks_want_the_cpus(two_threads):
+    """The workers give a barrier's waiting threads little time to spin while more tasks are runnable than there
+    are CPUs (here as many busy processes as CPUs), else more."""
+    import os
+    import subprocess
+    import sys
+    import time
+    if not os.path.exists("/proc/loadavg"):
+        pytest.skip("no /proc/loadavg: the barrier spins as long wherever it runs")
+    workers = two_threads.workers
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(workers.cpus)]
+    try:
+        time.sleep(0.5)
+        assert any(workers.shared() for _ in range(20))
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
 
 
 def test_timed_program_times_each_launch_in_order(two_threads):

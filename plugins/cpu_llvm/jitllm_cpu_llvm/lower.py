@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import functools
 import operator
+import platform
+import sys
 
 from llvmlite import ir as L
 
@@ -84,42 +86,66 @@ PREFETCHED = "prefetched"  # memo entry: the cache lines a body has prefetched, 
 PREFETCH_AHEAD = "jl_prefetch_ahead"  # a streamed weight's prefetches (support_ir), inlined where it is called
 LANE0 = "first lane"  # venv entry (no IR name has a space): the vector's first lane within the loop's iteration
 
-# what every module links in: the barrier
-SUPPORT_IR = """
+# what every module links in: the barrier. A thread that arrives before the others spins while they are expected
+# soon, for as long as the Workers say (bar[18], in the CPU's timestamp ticks), then sleeps in Linux's futex on the
+# generation word until the last one in wakes the sleepers (bar[17] counts them: no system call when none sleeps);
+# where there is no futex it yields its CPU instead. On a CPU that other tasks want, a wait spent spinning costs the
+# thread the share the scheduler then withholds from it (runtime.SPIN_TICKS).
+FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine()) if sys.platform.startswith("linux") else None
+SLEEP = f"""  %a = atomicrmw add ptr %sleepp, i32 1 seq_cst
+  %g64 = zext i32 %g to i64
+  %r = call i64 (i64, ...) @syscall(i64 {FUTEX}, ptr %genp, i64 128, i64 %g64, ptr null)
+  %b = atomicrmw sub ptr %sleepp, i32 1 seq_cst
+""" if FUTEX else "  %y = call i32 @sched_yield()\n"  # 128: FUTEX_WAIT_PRIVATE, 129 below: FUTEX_WAKE_PRIVATE
+WAKE = f"""  %s = load atomic i32, ptr %sleepp seq_cst, align 4
+  %any = icmp ne i32 %s, 0
+  br i1 %any, label %wake, label %done
+wake:
+  %w = call i64 (i64, ...) @syscall(i64 {FUTEX}, ptr %genp, i64 129, i64 2147483647)
+""" if FUTEX else ""
+SUPPORT_IR = f"""
+declare i64 @syscall(i64, ...)
 declare i32 @sched_yield()
-define void @jl_barrier(ptr %bar, i32 %nth) noinline {
+declare i64 @llvm.readcyclecounter()
+define void @jl_barrier(ptr %bar, i32 %nth) noinline {{
 entry:
   %single = icmp sle i32 %nth, 1
   br i1 %single, label %done, label %go
 go:
   %genp = getelementptr i32, ptr %bar, i32 16
+  %sleepp = getelementptr i32, ptr %bar, i32 17
+  %budgetp = getelementptr i32, ptr %bar, i32 18
   %g = load atomic i32, ptr %genp acquire, align 4
   %c = atomicrmw add ptr %bar, i32 1 acq_rel
   %last1 = sub i32 %nth, 1
   %last = icmp eq i32 %c, %last1
-  br i1 %last, label %release, label %spin
+  br i1 %last, label %release, label %wait
 release:
   store atomic i32 0, ptr %bar monotonic, align 4
   %g1 = add i32 %g, 1
-  store atomic i32 %g1, ptr %genp release, align 4
-  br label %done
+  store atomic i32 %g1, ptr %genp seq_cst, align 4
+{WAKE}  br label %done
+wait:
+  %t0 = call i64 @llvm.readcyclecounter()
+  br label %spin
 spin:
-  %n = phi i32 [0, %go], [%n1, %wait], [0, %yield]
+  %since = phi i64 [%t0, %wait], [%since, %spun], [%t1, %sleep]
   %cur = load atomic i32, ptr %genp acquire, align 4
   %same = icmp eq i32 %cur, %g
-  br i1 %same, label %wait0, label %done
-wait0:
-  %n1 = add i32 %n, 1
-  %big = icmp ugt i32 %n1, 4000
-  br i1 %big, label %yield, label %wait
-wait:
-  br label %spin
-yield:
-  %y = call i32 @sched_yield()
+  br i1 %same, label %spun, label %done
+spun:
+  %t = call i64 @llvm.readcyclecounter()
+  %dt = sub i64 %t, %since
+  %budget = load atomic i32, ptr %budgetp monotonic, align 4
+  %budget64 = zext i32 %budget to i64
+  %long = icmp ugt i64 %dt, %budget64
+  br i1 %long, label %sleep, label %spin
+sleep:
+{SLEEP}  %t1 = call i64 @llvm.readcyclecounter()
   br label %spin
 done:
   ret void
-}
+}}
 """
 # `jl_run(table, bufs, scalars, tid, nth, barrier, counters)`: a program's launches, as every thread runs them. The
 # table (i64s): the launches' count, the timestamps (a timed program's, else null), the claim counters' bytes, then

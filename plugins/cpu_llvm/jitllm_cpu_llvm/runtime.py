@@ -175,6 +175,15 @@ class Compiled:
         return self.engine.get_function_address(self.symbol) or None
 
 
+# How long a thread at a barrier spins before it sleeps (lower.SUPPORT_IR), in timestamp ticks: while no other task
+# wants the CPUs, up to a millisecond or so, so that a step's waits (a few us; the workers' wake-up, tens) end
+# spinning as they always did (sleeping after 1-2 us cost SmolLM2's two-thread decode 10-20 %); where more tasks want
+# to run than there are CPUs, 1-2 us, after which a waiting thread lends its CPU and is woken ahead of the others when
+# the barrier opens. SmolLM2's two-thread decode beside a busy process on one of two cores: 43-50 tok/s spinning,
+# 70-71 so; beside one on each core: 10-14 (spinning, then yielding), 42-46 so (alternated, the processes pinned).
+SPIN_TICKS, SPIN_TICKS_SHARED = 1_000_000, 4_000
+
+
 class Workers:
     """nth-1 persistent threads that each call the step function with their own tid.
 
@@ -184,7 +193,13 @@ class Workers:
 
     def __init__(self, nth: int):
         self.nth, self.job, self.lock = nth, None, threading.Lock()
-        self.bar = (ctypes.c_int32 * 32)()  # arrival count at [0], generation at [16]: separate cache lines
+        # arrival count at [0]; generation, sleepers and spin budget at [16:19]: another cache line
+        self.bar = (ctypes.c_int32 * 32)()
+        self.cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        try:
+            self.loadavg = os.open("/proc/loadavg", os.O_RDONLY)  # Linux's: its 4th field counts runnable tasks
+        except OSError:
+            self.loadavg = None
         self.go = [threading.Semaphore(0) for _ in range(nth - 1)]
         for t in range(1, nth):
             threading.Thread(target=self._loop, args=(t,), daemon=True, name=f"jitllm-cpu-{t}").start()
@@ -195,8 +210,17 @@ class Workers:
             fn, table, bufs, scal, counters = self.job
             fn(table, bufs, scal, tid, self.nth, ctypes.addressof(self.bar), counters)
 
+    def shared(self) -> bool:
+        """Whether other tasks want the CPUs now: the runnable tasks but this thread (the workers sleep between
+        steps), with this step's threads, outnumber them."""
+        if self.loadavg is None or self.nth == 1:
+            return False
+        running = os.pread(self.loadavg, 128, 0).split()[3].split(b"/")[0]
+        return int(running) - 1 + self.nth > self.cpus
+
     def run(self, fn, table, bufs, scal, counters):
         with self.lock:
+            self.bar[18] = SPIN_TICKS_SHARED if self.shared() else SPIN_TICKS
             self.job = (fn, table, bufs, scal, counters)
             for s in self.go:
                 s.release()
