@@ -180,7 +180,7 @@ class Compiled:
 # spinning as they always did (sleeping after 1-2 us cost SmolLM2's two-thread decode 10-20 %); where more tasks want
 # to run than there are CPUs, 1-2 us, after which a waiting thread lends its CPU and is woken ahead of the others when
 # the barrier opens. SmolLM2's two-thread decode beside a busy process on one of two cores: 43-50 tok/s spinning,
-# 70-71 so; beside one on each core: 10-14 (spinning, then yielding), 42-46 so (alternated, the processes pinned).
+# 70-71 so; beside one on each core: 4-14 (spinning, then yielding), 42-46 so (alternated, the processes pinned).
 SPIN_TICKS, SPIN_TICKS_SHARED = 1_000_000, 4_000
 
 
