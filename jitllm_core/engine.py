@@ -597,8 +597,8 @@ class Engine:
 
     def _batch_program(self, seg):
         """A segment's program for a batched decode step, compiled at the first one (an engine that never runs
-        two generations at once needs none) or, where the engine drafts, on the builder's thread after it is made
-        (`_step_batch` waits for that)."""
+        two generations at once needs none) or, where the engine drafts, as background work after its first reply
+        (`_compile_batched`; `_step_batch` waits for that)."""
         if seg.batch is None:
             background.pause()
             slot = seg.slot if seg.streamed is not None else None

@@ -101,12 +101,9 @@ def lookup(name, names):
 
 
 def device(name):
-    for be in _get()[1]:  # the backend the name is of first: "cpu", "cpu:1", "vulkan:0"
-        if be.name == name.split(":")[0]:
-            devs = {d.name: d for d in _probe(be)["devices"]}
-            if lookup(name, devs) is not None:
-                return devs[lookup(name, devs)]
-    devs = all_devices()
+    # the backend the name is of ("cpu", "cpu:1", "vulkan:0") probed alone first; every backend only if it has none
+    own = {d.name: d for be in _get()[1] if be.name == name.split(":")[0] for d in _probe(be)["devices"]}
+    devs = own if lookup(name, own) is not None else all_devices()
     found = lookup(name, devs)
     if found is not None:
         return devs[found]

@@ -47,11 +47,10 @@ def _count_kernel():
     return k.finish()
 
 
-def _counting_program(dev, threads):
+def _counting_program(dev):
     """Three launches of `_count_kernel`: twice on one buffer (a barrier between them), once on another."""
     from jitllm_core.plugin import Launch
     k = _count_kernel()
-    dev.configure(threads=threads)
     a, b = dev.alloc(4096 * 4), dev.alloc(4096 * 4)
     return dev.program([Launch(k, {"y": a}, {"n": "n"}), Launch(k, {"y": a}, {"n": "n"}),
                         Launch(k, {"y": b}, {"n": "n"})]), a, b
@@ -88,7 +87,7 @@ def test_threads_that_sleep_at_every_barrier_wait_for_one_another(monkeypatch):
     monkeypatch.setattr(runtime, "SPIN_TICKS", 0)
     monkeypatch.setattr(runtime, "SPIN_TICKS_SHARED", 0)
     dev = runtime.CpuDevice("cpu:asleep", 3, 1 << 26)
-    prog, a, b = _counting_program(dev, 3)
+    prog, a, b = _counting_program(dev)
     runs = [1 + (r * 997) % 4096 for r in range(3000)]
     done = threading.Thread(target=lambda: [prog.run({"n": n}) for n in runs], daemon=True)
     done.start()

@@ -104,8 +104,7 @@ wake:
   %w = call i64 (i64, ...) @syscall(i64 {FUTEX}, ptr %genp, i64 129, i64 2147483647)
 """ if FUTEX else ""
 SUPPORT_IR = f"""
-declare i64 @syscall(i64, ...)
-declare i32 @sched_yield()
+{"declare i64 @syscall(i64, ...)" if FUTEX else "declare i32 @sched_yield()"}
 declare i64 @llvm.readcyclecounter()
 define void @jl_barrier(ptr %bar, i32 %nth) noinline {{
 entry:

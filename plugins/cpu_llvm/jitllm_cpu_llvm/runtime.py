@@ -184,6 +184,16 @@ class Compiled:
 SPIN_TICKS, SPIN_TICKS_SHARED = 1_000_000, 4_000
 
 
+@functools.cache
+def _loadavg():
+    """A descriptor of Linux's /proc/loadavg (its 4th field counts the runnable tasks), one for the process; None
+    where there is none."""
+    try:
+        return os.open("/proc/loadavg", os.O_RDONLY)
+    except OSError:
+        return None
+
+
 class Workers:
     """nth-1 persistent threads that each call the step function with their own tid.
 
@@ -196,10 +206,6 @@ class Workers:
         # arrival count at [0]; generation, sleepers and spin budget at [16:19]: another cache line
         self.bar = (ctypes.c_int32 * 32)()
         self.cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        try:
-            self.loadavg = os.open("/proc/loadavg", os.O_RDONLY)  # Linux's: its 4th field counts runnable tasks
-        except OSError:
-            self.loadavg = None
         self.go = [threading.Semaphore(0) for _ in range(nth - 1)]
         for t in range(1, nth):
             threading.Thread(target=self._loop, args=(t,), daemon=True, name=f"jitllm-cpu-{t}").start()
@@ -213,9 +219,9 @@ class Workers:
     def shared(self) -> bool:
         """Whether other tasks want the CPUs now: the runnable tasks but this thread (the workers sleep between
         steps), with this step's threads, outnumber them."""
-        if self.loadavg is None or self.nth == 1:
+        if _loadavg() is None or self.nth == 1:
             return False
-        running = os.pread(self.loadavg, 128, 0).split()[3].split(b"/")[0]
+        running = os.pread(_loadavg(), 128, 0).split()[3].split(b"/")[0]
         return int(running) - 1 + self.nth > self.cpus
 
     def run(self, fn, table, bufs, scal, counters):
